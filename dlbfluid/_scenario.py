@@ -1,0 +1,519 @@
+"""Scenarios: cells, arrival profiles, service models and the latency matrix.
+
+A `Scenario` is an equinox Module of arrays. Networks of different sizes batch together
+by padding to a common cell count: padded cells have zero arrivals, no arcs in or out,
+and an M/M/1 service model that never sees traffic (`cell_mask` marks the real cells).
+Parsing and validation happen here, in Python, before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float
+
+from ._errors import OverloadError, ScenarioError
+from ._service import MM1, MODEL_CODES, SOFTPLUS, ServiceModel
+
+
+class Scenario(eqx.Module):
+    """A DLB network (seed §3.2.1, theory-notes §1).
+
+    **Fields** (`n` cells, `P` arrival breakpoints; a batch adds a leading axis):
+    - `arrival_times`, `arrival_rates`: `(n, P)` piecewise-linear arrival profile
+      $\\lambda_i(t)$ at the root routers of cell $i$ (requests/s).
+    - `replicas`: `(n,)` replica count $k_j$ (used by RIF costs and weighted random).
+    - `service`: the per-cell `ServiceModel`.
+    - `latency`: `(n, n)` one-way network latency $\\tau_{ij}$ (s); 0 on non-arcs.
+    - `allowed`: `(n, n)` boolean arc set $\\mathcal A$.
+    - `cell_mask`: `(n,)` True for real cells, False for padding.
+    - `initial_workload`: `(n,)` $N(0)$, also the constant history on $[-\\bar\\tau, 0]$.
+    - `initial_routing`: `(n, n)` $x(0)$, also the constant routing history.
+    - `name`, `cell_names`: metadata, stripped before tracing.
+    """
+
+    arrival_times: Float[Array, "n P"]
+    arrival_rates: Float[Array, "n P"]
+    replicas: Float[Array, " n"]
+    service: ServiceModel
+    latency: Float[Array, "n n"]
+    allowed: Bool[Array, "n n"]
+    cell_mask: Bool[Array, " n"]
+    initial_workload: Float[Array, " n"]
+    initial_routing: Float[Array, "n n"]
+    name: str = eqx.field(static=True, default="scenario")
+    cell_names: tuple[str, ...] = eqx.field(static=True, default=())
+
+    @property
+    def n_cells(self) -> int:
+        """Padded cell count (the last axis of `replicas`)."""
+        return self.replicas.shape[-1]
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return self.replicas.shape[:-1]
+
+    def arrival_rate(self, t=0.0):
+        """$\\lambda_i(t)$ for every cell (unbatched scenarios)."""
+        return _interp_rows(self.arrival_times, self.arrival_rates, t)
+
+    def strip(self) -> Scenario:
+        """The same arrays without metadata, so that jit caches ignore names."""
+        return dataclasses.replace(self, name="", cell_names=())
+
+
+def _interp_rows(times, rates, t):
+    import jax
+
+    return jax.vmap(lambda ts, rs: jnp.interp(t, ts, rs))(times, rates)
+
+
+# ----------------------------------------------------------------------------------------
+# Parsing and validation
+# ----------------------------------------------------------------------------------------
+
+
+def _err(field: str, value: Any, allowed: str) -> ScenarioError:
+    return ScenarioError(f"{field} = {value!r} is invalid: {allowed}")
+
+
+def _finite_number(field: str, value: Any, *, minimum=None, strict=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _err(field, value, "expected a number")
+    v = float(value)
+    if not math.isfinite(v):
+        raise _err(field, value, "expected a finite number")
+    if minimum is not None:
+        if strict and not v > minimum:
+            raise _err(field, value, f"expected a finite number > {minimum}")
+        if not strict and not v >= minimum:
+            raise _err(field, value, f"expected a finite number >= {minimum}")
+    return v
+
+
+def _parse_profile(field: str, value: Any) -> tuple[list[float], list[float]]:
+    if isinstance(value, dict):
+        unknown = set(value) - {"times", "rates", "kind"}
+        if unknown:
+            raise _err(field, value, f"unknown keys {sorted(unknown)}; allowed: times, rates, kind")
+        kind = value.get("kind", "piecewise_linear")
+        if kind not in ("piecewise_linear", "piecewise_constant"):
+            raise _err(f"{field}.kind", kind, "expected 'piecewise_linear' or 'piecewise_constant'")
+        times, rates = value.get("times"), value.get("rates")
+        if not isinstance(times, list) or not isinstance(rates, list) or len(times) == 0:
+            raise _err(field, value, "expected non-empty lists 'times' and 'rates'")
+        if len(times) != len(rates):
+            raise _err(field, value, f"'times' has {len(times)} entries, 'rates' {len(rates)}")
+        ts = [_finite_number(f"{field}.times[{p}]", t) for p, t in enumerate(times)]
+        rs = [_finite_number(f"{field}.rates[{p}]", r, minimum=0.0) for p, r in enumerate(rates)]
+        for p in range(1, len(ts)):
+            if ts[p] < ts[p - 1]:
+                raise _err(f"{field}.times", times, "times must be non-decreasing")
+        if kind == "piecewise_constant":
+            # rate r_p on [t_p, t_{p+1}): duplicate each interior breakpoint into a jump.
+            t2, r2 = [ts[0]], [rs[0]]
+            for p in range(1, len(ts)):
+                t2 += [ts[p], ts[p]]
+                r2 += [rs[p - 1], rs[p]]
+            ts, rs = t2, r2
+        return ts, rs
+    rate = _finite_number(field, value, minimum=0.0)
+    return [0.0], [rate]
+
+
+def _parse_service(field: str, value: Any) -> tuple[int, float, float, float, float]:
+    if not isinstance(value, dict):
+        raise _err(field, value, "expected an object with a 'model' key")
+    model = value.get("model")
+    if model not in MODEL_CODES:
+        raise _err(f"{field}.model", model, f"allowed models: {sorted(MODEL_CODES)}")
+    if model == "mm1":
+        unknown = set(value) - {"model", "capacity"}
+        if unknown:
+            raise _err(field, value, f"unknown keys {sorted(unknown)} for model 'mm1'")
+        cap = _finite_number(f"{field}.capacity", value.get("capacity"), minimum=0.0, strict=True)
+        return MM1, cap, 1.0, 0.0, 1.0
+    unknown = set(value) - {"model", "capacity", "base_latency", "knee", "width"}
+    if unknown:
+        raise _err(field, value, f"unknown keys {sorted(unknown)} for model 'softplus'")
+    cap = _finite_number(f"{field}.capacity", value.get("capacity"), minimum=0.0, strict=True)
+    L0 = _finite_number(f"{field}.base_latency", value.get("base_latency"), minimum=0.0, strict=True)
+    knee = _finite_number(f"{field}.knee", value.get("knee"))
+    width = _finite_number(f"{field}.width", value.get("width"), minimum=0.0, strict=True)
+    a0 = L0 - knee / cap
+    if a0 < 0:
+        raise ScenarioError(
+            f"{field}: a0 = base_latency - knee/capacity = {L0} - {knee}/{cap} = {a0:.6g} < 0: "
+            "the processing rate mu(N) = N/l(N) overshoots the capacity and then falls, so it "
+            "is not monotone (Assumption 1). Allowed: knee < base_latency * capacity."
+        )
+    if a0 <= 1e-12 * max(L0, 1.0):
+        raise ScenarioError(
+            f"{field}: a0 = base_latency - knee/capacity = {a0:.3g} (knee exactly at "
+            "base_latency * capacity): the gradient cost 1/mu'(N) then grows exponentially and "
+            "violates Assumption 3 (it overflows in floating point). Allowed: "
+            "knee < base_latency * capacity."
+        )
+    return SOFTPLUS, cap, L0, knee, width
+
+
+def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
+    """Build and validate a `Scenario` from the JSON-shaped dict of the file format.
+
+    **Arguments:**
+    - `data`: `{"name", "cells": [{"name", "arrival_rate", "replicas", "service"}],
+      "latency": [[tau or null]], "initial": {"workload", "routing"}}` (README, *Scenario files*).
+    - `allow_overload`: skip the Assumption-2 capacity check (simulate overload on purpose).
+
+    **Raises:** `ScenarioError` naming the field, the value and what is allowed;
+    `OverloadError` (a subclass) when no routing serves the demand within capacity.
+    """
+    if not isinstance(data, dict):
+        raise _err("scenario", type(data).__name__, "expected a JSON object")
+    unknown = set(data) - {"name", "cells", "latency", "initial", "description"}
+    if unknown:
+        raise _err("scenario", sorted(unknown), "unknown top-level keys; allowed: name, "
+                   "description, cells, latency, initial")
+    name = data.get("name", "scenario")
+    if not isinstance(name, str):
+        raise _err("name", name, "expected a string")
+    cells = data.get("cells")
+    if not isinstance(cells, list) or len(cells) == 0:
+        raise _err("cells", cells, "expected a non-empty list of cell objects")
+    n = len(cells)
+    names, profiles, replicas, services = [], [], [], []
+    for j, cell in enumerate(cells):
+        f = f"cells[{j}]"
+        if not isinstance(cell, dict):
+            raise _err(f, cell, "expected an object")
+        unknown = set(cell) - {"name", "arrival_rate", "replicas", "service"}
+        if unknown:
+            raise _err(f, sorted(unknown), "unknown keys; allowed: name, arrival_rate, "
+                       "replicas, service")
+        cname = cell.get("name", f"cell{j}")
+        if not isinstance(cname, str) or not cname:
+            raise _err(f"{f}.name", cname, "expected a non-empty string")
+        names.append(cname)
+        if "arrival_rate" not in cell:
+            raise _err(f"{f}.arrival_rate", None, "required: a rate >= 0 or a profile")
+        profiles.append(_parse_profile(f"{f}.arrival_rate", cell["arrival_rate"]))
+        k = cell.get("replicas", 1)
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or k != int(k) or k < 1:
+            raise _err(f"{f}.replicas", k, "expected an integer >= 1")
+        replicas.append(float(k))
+        services.append(_parse_service(f"{f}.service", cell.get("service")))
+    if len(set(names)) != n:
+        raise _err("cells[].name", names, "cell names must be unique")
+
+    lat = data.get("latency")
+    if not isinstance(lat, list) or len(lat) != n or any(
+        not isinstance(row, list) or len(row) != n for row in lat
+    ):
+        shape = (
+            (len(lat), [len(r) if isinstance(r, list) else None for r in lat])
+            if isinstance(lat, list)
+            else type(lat).__name__
+        )
+        raise _err("latency", shape, f"expected an {n} x {n} matrix (one row per cell) of "
+                   "one-way latencies in seconds, null for a forbidden arc")
+    tau = np.zeros((n, n))
+    allowed = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        for j in range(n):
+            v = lat[i][j]
+            if v is None:
+                continue
+            tau[i, j] = _finite_number(f"latency[{i}][{j}]", v, minimum=0.0)
+            allowed[i, j] = True
+
+    P = max(len(p[0]) for p in profiles)
+    times = np.array([p[0] + [p[0][-1]] * (P - len(p[0])) for p in profiles])
+    rates = np.array([p[1] + [p[1][-1]] * (P - len(p[1])) for p in profiles])
+    for i in range(n):
+        if rates[i].max() > 0 and not allowed[i].any():
+            raise ScenarioError(
+                f"cells[{i}] ({names[i]!r}) has arrivals (arrival_rate up to {rates[i].max()}) "
+                f"but latency[{i}] allows no arc: every cell with demand needs at least one "
+                "non-null entry in its latency row"
+            )
+
+    initial = data.get("initial", {}) or {}
+    if not isinstance(initial, dict):
+        raise _err("initial", initial, "expected an object with 'workload' and/or 'routing'")
+    unknown = set(initial) - {"workload", "routing"}
+    if unknown:
+        raise _err("initial", sorted(unknown), "unknown keys; allowed: workload, routing")
+    if "workload" in initial:
+        w = initial["workload"]
+        if not isinstance(w, list) or len(w) != n:
+            raise _err("initial.workload", w, f"expected a list of {n} workloads >= 0")
+        N0 = np.array([_finite_number(f"initial.workload[{j}]", v, minimum=0.0)
+                       for j, v in enumerate(w)])
+    else:
+        N0 = np.zeros(n)
+    k = np.array(replicas)
+    if "routing" in initial:
+        r = initial["routing"]
+        if not isinstance(r, list) or len(r) != n or any(
+            not isinstance(row, list) or len(row) != n for row in r
+        ):
+            raise _err("initial.routing", r, f"expected an {n} x {n} matrix")
+        x0 = np.array([[_finite_number(f"initial.routing[{i}][{j}]", v, minimum=0.0)
+                        for j, v in enumerate(row)] for i, row in enumerate(r)])
+        for i in range(n):
+            if np.any(x0[i][~allowed[i]] > 0):
+                raise _err(f"initial.routing[{i}]", r[i], "must be 0 on forbidden arcs "
+                           "(null latency)")
+            if allowed[i].any() and abs(x0[i].sum() - 1.0) > 1e-9:
+                raise _err(f"initial.routing[{i}]", r[i], "each row must sum to 1 (a "
+                           "probability vector over the allowed arcs)")
+    else:
+        x0 = weighted_random_routing(allowed, k)
+
+    sv = np.array(services, dtype=float)
+    service = ServiceModel(
+        model=jnp.asarray(sv[:, 0].astype(np.int32)),
+        capacity=jnp.asarray(sv[:, 1]),
+        base_latency=jnp.asarray(sv[:, 2]),
+        knee=jnp.asarray(sv[:, 3]),
+        width=jnp.asarray(sv[:, 4]),
+    )
+    scn = Scenario(
+        arrival_times=jnp.asarray(times),
+        arrival_rates=jnp.asarray(rates),
+        replicas=jnp.asarray(k),
+        service=service,
+        latency=jnp.asarray(tau),
+        allowed=jnp.asarray(allowed),
+        cell_mask=jnp.ones(n, dtype=bool),
+        initial_workload=jnp.asarray(N0),
+        initial_routing=jnp.asarray(x0),
+        name=name,
+        cell_names=tuple(names),
+    )
+    if not allow_overload:
+        check_capacity(scn)
+    return scn
+
+
+def weighted_random_routing(allowed, replicas) -> np.ndarray:
+    """$x_{ij} = k_j/\\sum_{l \\in C^+(i)} k_l$ on allowed arcs (the `rand` policy)."""
+    allowed = np.asarray(allowed, dtype=bool)
+    w = np.where(allowed, np.asarray(replicas, dtype=float)[None, :], 0.0)
+    tot = w.sum(axis=1, keepdims=True)
+    return np.where(tot > 0, w / np.where(tot > 0, tot, 1.0), 0.0)
+
+
+def load_scenario(path: str | Path, *, allow_overload: bool = False) -> Scenario:
+    """Read a scenario JSON file (see `scenario_from_dict`)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ScenarioError(f"scenario file {str(path)!r} cannot be read: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ScenarioError(f"scenario file {str(path)!r} is not valid JSON: {e}") from None
+    return scenario_from_dict(data, allow_overload=allow_overload)
+
+
+def default_scenario() -> Scenario:
+    """The built-in heterogeneous 4-cell scenario used by `dlbfluid demo`."""
+    text = resources.files("dlbfluid").joinpath("data/default.json").read_text()
+    return scenario_from_dict(json.loads(text))
+
+
+def scenario_to_dict(scn: Scenario) -> dict:
+    """Inverse of `scenario_from_dict` for one unpadded scenario (profiles as breakpoints)."""
+    mask = np.asarray(scn.cell_mask)
+    n = int(mask.sum())
+    names = list(scn.cell_names) or [f"cell{j}" for j in range(n)]
+    s = scn.service
+    cells = []
+    for j in range(n):
+        ts = np.asarray(scn.arrival_times[j])
+        rs = np.asarray(scn.arrival_rates[j])
+        if np.all(ts == ts[0]) and np.all(rs == rs[0]):
+            rate: Any = float(rs[0])
+        else:
+            rate = {"times": ts.tolist(), "rates": rs.tolist()}
+        if int(s.model[j]) == MM1:
+            svc = {"model": "mm1", "capacity": float(s.capacity[j])}
+        else:
+            svc = {"model": "softplus", "base_latency": float(s.base_latency[j]),
+                   "capacity": float(s.capacity[j]), "knee": float(s.knee[j]),
+                   "width": float(s.width[j])}
+        cells.append({"name": names[j], "arrival_rate": rate,
+                      "replicas": int(scn.replicas[j]), "service": svc})
+    tau = np.asarray(scn.latency)
+    allowed = np.asarray(scn.allowed)
+    latency = [[float(tau[i, j]) if allowed[i, j] else None for j in range(n)] for i in range(n)]
+    return {
+        "name": scn.name,
+        "cells": cells,
+        "latency": latency,
+        "initial": {
+            "workload": np.asarray(scn.initial_workload)[:n].tolist(),
+            "routing": np.asarray(scn.initial_routing)[:n, :n].tolist(),
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# Assumption 2: a strictly feasible routing exists (checked as a max-flow problem)
+# ----------------------------------------------------------------------------------------
+
+
+def _max_flow(cap: np.ndarray, s: int, t: int) -> tuple[float, np.ndarray]:
+    """Edmonds-Karp on a small dense graph; returns the flow value and the source side."""
+    n = cap.shape[0]
+    residual = cap.astype(float).copy()
+    total = 0.0
+    scale = max(float(cap[np.isfinite(cap)].max(initial=0.0)), 1.0)
+    while True:
+        parent = -np.ones(n, dtype=int)
+        parent[s] = s
+        queue = [s]
+        while queue and parent[t] < 0:
+            u = queue.pop(0)
+            for v in np.nonzero((residual[u] > 1e-12 * scale) & (parent < 0))[0]:
+                parent[v] = u
+                queue.append(int(v))
+        if parent[t] < 0:
+            break
+        v, bottleneck = t, np.inf
+        while v != s:
+            bottleneck = min(bottleneck, residual[parent[v], v])
+            v = parent[v]
+        v = t
+        while v != s:
+            residual[parent[v], v] -= bottleneck
+            residual[v, parent[v]] += bottleneck
+            v = parent[v]
+        total += bottleneck
+    return total, parent >= 0
+
+
+def check_capacity(scn: Scenario, *, rel_margin: float = 1e-9) -> None:
+    """Raise `OverloadError` unless some routing serves every arrival profile's demand
+    strictly within capacity (Assumption 2), at every breakpoint of the profiles.
+
+    Max-flow from the origins (capacity $\\lambda_i$) over allowed arcs to the cells
+    (capacity $\\bar\\mu_j(1-\\epsilon)$); a minimum cut names the overloaded cells.
+    """
+    mask = np.asarray(scn.cell_mask)
+    n = int(mask.sum())
+    names = list(scn.cell_names) or [f"cell{j}" for j in range(n)]
+    allowed = np.asarray(scn.allowed)[:n, :n]
+    mubar = np.asarray(scn.service.capacity)[:n]
+    times = np.unique(np.asarray(scn.arrival_times)[:n].ravel())
+    for t in times:
+        lam = np.array([np.interp(t, np.asarray(scn.arrival_times[i]),
+                                  np.asarray(scn.arrival_rates[i])) for i in range(n)])
+        demand = lam.sum()
+        if demand <= 0:
+            continue
+        V = 2 * n + 2
+        s, sink = 0, 2 * n + 1
+        cap = np.zeros((V, V))
+        cap[s, 1 : n + 1] = lam
+        big = 2.0 * demand + 1.0
+        cap[1 : n + 1, n + 1 : 2 * n + 1] = np.where(allowed, big, 0.0)
+        cap[n + 1 : 2 * n + 1, sink] = mubar * (1.0 - rel_margin)
+        flow, source_side = _max_flow(cap, s, sink)
+        if flow < demand * (1.0 - 1e-12):
+            # Min cut: origins still reachable from s whose reachable cells are saturated.
+            origins = [i for i in range(n) if source_side[1 + i] and lam[i] > 0]
+            cells = [j for j in range(n) if source_side[n + 1 + j]]
+            cut_demand = lam[origins].sum()
+            cut_cap = mubar[cells].sum()
+            when = "" if len(times) == 1 else f" at t = {t:g} s"
+            raise OverloadError(
+                "demand exceeds what any routing can serve within capacity (Assumption 2)"
+                f"{when}: origins {[names[i] for i in origins]} with total arrival rate "
+                f"{cut_demand:.6g} can only reach cells {[names[j] for j in cells]} with total "
+                f"capacity {cut_cap:.6g} (every cell must stay strictly below its capacity). "
+                "Lower the arrival rates, raise capacities, allow more arcs, or pass "
+                "allow_overload=True (--allow-overload) to simulate overload on purpose.",
+                cells=[names[j] for j in cells],
+                sources=[names[i] for i in origins],
+                demand=cut_demand,
+                capacity=cut_cap,
+            )
+
+
+# ----------------------------------------------------------------------------------------
+# Padding and batching
+# ----------------------------------------------------------------------------------------
+
+
+def pad_scenario(scn: Scenario, n: int, n_breakpoints: int | None = None) -> Scenario:
+    """Pad one scenario to `n` cells (and `n_breakpoints` arrival breakpoints)."""
+    m = scn.n_cells
+    if n < m:
+        raise ValueError(f"cannot pad a {m}-cell scenario to n = {n} cells")
+    P = scn.arrival_times.shape[-1]
+    Pn = P if n_breakpoints is None else n_breakpoints
+    if Pn < P:
+        raise ValueError(f"cannot pad {P} arrival breakpoints to {Pn}")
+    extra = n - m
+
+    def cells(a, fill):
+        a = np.asarray(a)
+        return np.concatenate([a, np.full((extra,) + a.shape[1:], fill, dtype=a.dtype)])
+
+    def square(a, fill):
+        a = np.asarray(a)
+        out = np.full((n, n), fill, dtype=a.dtype)
+        out[:m, :m] = a
+        return out
+
+    times = np.asarray(scn.arrival_times)
+    rates = np.asarray(scn.arrival_rates)
+    times = np.concatenate([times, np.repeat(times[:, -1:], Pn - P, axis=1)], axis=1)
+    rates = np.concatenate([rates, np.repeat(rates[:, -1:], Pn - P, axis=1)], axis=1)
+    sv = scn.service
+    return Scenario(
+        arrival_times=jnp.asarray(cells(times, 0.0)),
+        arrival_rates=jnp.asarray(cells(rates, 0.0)),
+        replicas=jnp.asarray(cells(scn.replicas, 1.0)),
+        service=ServiceModel(
+            model=jnp.asarray(cells(sv.model, MM1)),
+            capacity=jnp.asarray(cells(sv.capacity, 1.0)),
+            base_latency=jnp.asarray(cells(sv.base_latency, 1.0)),
+            knee=jnp.asarray(cells(sv.knee, 0.0)),
+            width=jnp.asarray(cells(sv.width, 1.0)),
+        ),
+        latency=jnp.asarray(square(scn.latency, 0.0)),
+        allowed=jnp.asarray(square(scn.allowed, False)),
+        cell_mask=jnp.asarray(cells(scn.cell_mask, False)),
+        initial_workload=jnp.asarray(cells(scn.initial_workload, 0.0)),
+        initial_routing=jnp.asarray(square(scn.initial_routing, 0.0)),
+        name=scn.name,
+        cell_names=scn.cell_names,
+    )
+
+
+def stack_scenarios(scenarios: Sequence[Scenario], n_cells: int | None = None) -> Scenario:
+    """Pad scenarios to a common cell count and stack them along a new leading axis."""
+    scenarios = list(scenarios)
+    if not scenarios:
+        raise ValueError("stack_scenarios needs at least one scenario")
+    n = max(s.n_cells for s in scenarios) if n_cells is None else n_cells
+    P = max(s.arrival_times.shape[-1] for s in scenarios)
+    padded = [pad_scenario(s, n, P).strip() for s in scenarios]
+    leaves = [eqx.filter(p, eqx.is_array) for p in padded]
+    import jax
+
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *leaves)
+    return eqx.combine(stacked, padded[0])

@@ -1,0 +1,492 @@
+"""The delayed fluid model on a probe tick, integrated by a method of steps.
+
+The model (theory/dynamics.md, theory-notes §1.3-§2):
+
+* routing is piecewise constant on the tick grid $t_k = kh$: $x(t) = x^k$ on
+  $[t_k, t_{k+1})$, and $x(t) = x^0$ for $t < 0$;
+* at $t_{k+1}$ router $i$ observes $N_j(t_{k+1} - \\tau_{ij})$ and sets
+  $x_i^{k+1} = U(x_i^k, \\hat c_i, \\eta_i h)$ (the policy);
+* $\\dot N_j(t) = \\sum_i \\lambda_i(t-\\tau_{ij})\\, x_{ij}(t-\\tau_{ij}) - \\mu_j(N_j(t))$,
+  $N(t) = N(0)$ for $t < 0$.
+
+With $\\tau_{ij} = m_{ij}h + r_{ij}$, $0 \\le r_{ij} < h$, the inflow of arc $(i,j)$ during
+tick $k$ is $x^{k-m_{ij}-1}_{ij}$ before $t_k + r_{ij}$ and $x^{k-m_{ij}}_{ij}$ after, and the
+observation at $t_{k+1}$ is $N_j$ at offset $h - r_{ij}$ inside tick $k - m_{ij}$. So each tick
+is an ODE with a known, piecewise-constant input: the method of steps needs only ring
+buffers of past routings and of the workloads at those offsets. Two integrators:
+
+* `Accurate` (diffrax Tsit5, PID error control; the solver steps exactly onto every inflow
+  jump through `jump_ts` and saves the observation offsets from dense output);
+* `Fast` (fixed-step RK4 on `substeps` sub-intervals, with the inflow integrated exactly
+  over each sub-interval and cubic Hermite interpolation for the observations).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import diffrax as dfx
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._arrivals import rate_integral
+from ._costs import route_costs
+from ._policies import AbstractPolicy, policy_from_name
+from ._scenario import Scenario
+from ._solution import STATUS, Solution
+
+# ----------------------------------------------------------------------------------------
+# Integrator configuration
+# ----------------------------------------------------------------------------------------
+
+
+class AbstractIntegrator(eqx.Module):
+    """How the workload ODE is integrated across one tick."""
+
+
+class Fast(AbstractIntegrator):
+    """Fixed-step RK4 with `substeps` steps per tick; the arrival term is integrated exactly
+    over each step (theory/discretisation.md). Global error $O((h/\\text{substeps})^2)$ where
+    routing jumps, $O((h/\\text{substeps})^4)$ elsewhere."""
+
+    substeps: int = 4
+
+    def __check_init__(self):
+        if not isinstance(self.substeps, int) or self.substeps < 1:
+            raise ValueError(f"substeps = {self.substeps!r} is invalid: expected an integer >= 1")
+
+
+class Accurate(AbstractIntegrator):
+    """Adaptive Tsit5 with a PID step-size controller (diffrax), restarted at every tick and
+    stepping exactly onto every inflow discontinuity."""
+
+    rtol: float = 1e-8
+    atol: float = 1e-10
+    max_steps: int = 4096
+
+    def __check_init__(self):
+        for f in ("rtol", "atol"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{f} = {v!r} is invalid: expected a finite number > 0")
+
+
+# ----------------------------------------------------------------------------------------
+# One scenario (vmapped over the batch)
+# ----------------------------------------------------------------------------------------
+
+
+def _arc_integrals(scn: Scenario, a, b):
+    """$\\int_a^b \\lambda_i$ for arrays `a`, `b` whose axis -2 is the source cell $i$."""
+    fn = jax.vmap(rate_integral, in_axes=(0, 0, -2, -2), out_axes=-2)
+    return fn(scn.arrival_times, scn.arrival_rates, a, b)
+
+
+def _inflow_cumulative(scn, tk, s, m_r, xprev, xcur):
+    """Inflow into each arc accumulated from $t_k$ to $t_k + s$; `s` has shape `(S,)`.
+
+    $\\int_{t_k}^{t_k+s}\\lambda_i(u-\\tau)x_{ij}(u-\\tau)du$ = `xprev` over $[0, \\min(s,r)]$
+    plus `xcur` over $[r, \\max(s, r)]$ (local time). Returns `(S, n, n)`.
+    """
+    tau, r = m_r
+    base = tk - tau  # (n, n)
+    s = s[:, None, None]
+    lo1, hi1 = base, base + jnp.minimum(s, r)
+    lo2, hi2 = base + r, base + jnp.maximum(s, r)
+    lo1 = jnp.broadcast_to(lo1, hi1.shape)
+    lo2 = jnp.broadcast_to(lo2, hi2.shape)
+    return xprev * _arc_integrals(scn, lo1, hi1) + xcur * _arc_integrals(scn, lo2, hi2)
+
+
+def _tick_fast(scn, tk, h, N, xprev, xcur, m_r, offsets, substeps):
+    M = substeps
+    dt = h / M
+    s = jnp.arange(M + 1, dtype=h.dtype) * dt
+    G = _inflow_cumulative(scn, tk, s, m_r, xprev, xcur)  # (M+1, n, n)
+    A = jnp.sum(G[1:] - G[:-1], axis=-2)  # (M, n): exact inflow per substep
+    rate = scn.service.rate
+
+    def step(N, A_p):
+        abar = A_p / dt
+        m1 = rate(N)
+        N2 = N + 0.5 * dt * (abar - m1)
+        m2 = rate(N2)
+        N3 = N + 0.5 * dt * (abar - m2)
+        m3 = rate(N3)
+        N4 = N + dt * (abar - m3)
+        m4 = rate(N4)
+        dep = dt / 6.0 * (m1 + 2.0 * m2 + 2.0 * m3 + m4)
+        q = dt / 6.0 * jnp.sum(N + 2.0 * N2 + 2.0 * N3 + N4)
+        N_next = N + A_p - dep
+        return N_next, (N_next, m1, dep, q, abar)
+
+    N_end, (Ns, m_start, deps, qs, abars) = jax.lax.scan(step, N, A)
+    grid = jnp.concatenate([N[None], Ns], axis=0)  # (M+1, n)
+    # Observations N_j(t_k + o_ij) by cubic Hermite on the sub-step containing o_ij, with
+    # end slopes abar_p - mu(N) of that sub-step's own (smooth) averaged equation.
+    m_end = jnp.concatenate([m_start[1:], rate(N_end)[None]], axis=0)
+    pos = offsets / dt
+    idx = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, M - 1)
+    w = jnp.clip(pos - idx, 0.0, 1.0)
+    j = jnp.arange(N.shape[0])[None, :]
+    y0, y1 = grid[idx, j], grid[idx + 1, j]
+    d0 = (abars[idx, j] - m_start[idx, j]) * dt
+    d1 = (abars[idx, j] - m_end[idx, j]) * dt
+    h00 = (1 + 2 * w) * (1 - w) ** 2
+    h10 = w * (1 - w) ** 2
+    h01 = w**2 * (3 - 2 * w)
+    h11 = w**2 * (w - 1)
+    obs = h00 * y0 + h10 * d0 + h01 * y1 + h11 * d1
+    arrivals = jnp.sum(A, axis=0)
+    departures = jnp.sum(deps, axis=0)
+    return N_end, obs, arrivals, departures, jnp.sum(qs), jnp.asarray(STATUS["success"])
+
+
+def _tick_accurate(scn, tk, h, N, xprev, xcur, m_r, offsets, solver: Accurate):
+    tau, r = m_r
+    n = N.shape[0]
+    times, rates = scn.arrival_times, scn.arrival_rates
+    rate_fn = jax.vmap(jnp.interp, in_axes=(0, 0, 0))
+    mu = scn.service.rate
+
+    def field(t, y, args):
+        Nt = y[0]
+        u = t - tau  # (n, n) send times
+        lam = rate_fn(u, times, rates)
+        x = jnp.where(t - tk < r, xprev, xcur)
+        inflow = jnp.sum(lam * x, axis=0)
+        out = mu(Nt)
+        return (inflow - out, out, inflow, jnp.sum(Nt))
+
+    jumps = tk + r.reshape(-1)
+    if times.shape[-1] > 1:
+        kinks = (times[:, :, None] + tau[:, None, :]).reshape(-1)
+        jumps = jnp.concatenate([jumps, kinks])
+    flat = offsets.reshape(-1)
+    order = jnp.argsort(flat)
+    ts = tk + jnp.concatenate([flat[order], h[None]])
+    y0 = (N, jnp.zeros(n, N.dtype), jnp.zeros(n, N.dtype), jnp.zeros((), N.dtype))
+    sol = dfx.diffeqsolve(
+        dfx.ODETerm(field),
+        dfx.Tsit5(),
+        t0=tk,
+        t1=tk + h,
+        dt0=None,
+        y0=y0,
+        saveat=dfx.SaveAt(ts=ts),
+        stepsize_controller=dfx.PIDController(
+            rtol=solver.rtol, atol=solver.atol, jump_ts=jumps
+        ),
+        max_steps=solver.max_steps,
+        throw=False,
+    )
+    Ns = sol.ys[0]  # (n*n + 1, n)
+    inv = jnp.argsort(order)
+    saved = Ns[:-1][inv].reshape(n, n, n)  # [i, j, cell]
+    I, J = jnp.meshgrid(jnp.arange(n), jnp.arange(n), indexing="ij")
+    obs = saved[I, J, J]
+    ok = sol.result == dfx.RESULTS.successful
+    status = jnp.where(ok, STATUS["success"], STATUS["solver_failed"])
+    return Ns[-1], obs, sol.ys[2][-1], sol.ys[1][-1], sol.ys[3][-1], status
+
+
+def _setup(scn, eta, h, policy, hist):
+    n = scn.n_cells
+    dtype = scn.latency.dtype
+    tau = jnp.where(scn.allowed, scn.latency, 0.0)
+    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)
+    r = jnp.maximum(tau - m.astype(dtype) * h, 0.0)
+    return dict(tau=tau, m=m, r=r, offsets=h - r, step=(eta * h).astype(dtype))
+
+
+def _init_carry(scn, eta, h, *, policy, hist):
+    n = scn.n_cells
+    dtype = scn.latency.dtype
+    x0 = policy.initial_routing(scn).astype(dtype)
+    N0 = scn.initial_workload.astype(dtype)
+    zeros = jnp.zeros(n, dtype)
+    acc0 = (zeros, zeros, zeros, jnp.zeros((), dtype), jnp.zeros((), dtype))
+    return (
+        N0,
+        jnp.broadcast_to(x0, (hist, n, n)),
+        jnp.broadcast_to(N0[None, :], (hist, n, n)),
+        acc0,
+        jnp.asarray(STATUS["success"]),
+        jnp.asarray(jnp.inf, dtype),
+    )
+
+
+def _run_ticks(scn, eta, h, carry, k0, k1, *, policy, integrator, hist):
+    """Advance one scenario from tick `k0` to tick `k1` (dynamic bounds)."""
+    n = scn.n_cells
+    dtype = scn.latency.dtype
+    g = _setup(scn, eta, h, policy, hist)
+    tau, m, r, offsets, step = g["tau"], g["m"], g["r"], g["offsets"], g["step"]
+    allowed = scn.allowed
+    I, J = jnp.meshgrid(jnp.arange(n), jnp.arange(n), indexing="ij")
+    cost = policy.cost
+
+    def tick(k, carry):
+        (N, x_ring, obs_ring, acc, status, change) = carry
+        tk = k.astype(dtype) * h
+        xprev = x_ring[(k - m - 1) % hist, I, J]
+        xcur = x_ring[(k - m) % hist, I, J]
+        if isinstance(integrator, Fast):
+            out = _tick_fast(scn, tk, h, N, xprev, xcur, (tau, r), offsets, integrator.substeps)
+        else:
+            out = _tick_accurate(scn, tk, h, N, xprev, xcur, (tau, r), offsets, integrator)
+        N1, obs, d_arr, d_dep, d_q, st = out
+        lam_tick = _arc_integrals(scn, jnp.full((n, 1), tk), jnp.full((n, 1), tk + h))[:, 0]
+        x_k = x_ring[k % hist]
+        d_net = jnp.sum(2.0 * tau * x_k * lam_tick[:, None])
+        obs_ring1 = obs_ring.at[k % hist].set(obs)
+        # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = obs of tick k - m_ij.
+        if cost is None:
+            x_next = x_k
+        else:
+            seen = obs_ring1[(k - m) % hist, I, J]
+            x_next = policy.update(x_k, route_costs(cost, scn, seen), step, allowed)
+        x_ring1 = x_ring.at[(k + 1) % hist].set(x_next)
+        new_acc = tuple(a + d for a, d in zip(acc, (d_arr, d_dep, lam_tick, d_q, d_net)))
+        finite = (
+            jnp.all(jnp.isfinite(N1)) & jnp.all(jnp.isfinite(x_next)) & jnp.all(jnp.isfinite(obs))
+        )
+        ok_now = finite & (st == STATUS["success"])
+        alive = status == STATUS["success"]
+        new_status = jnp.where(
+            alive, jnp.where(finite, st, STATUS["nonfinite"]), status
+        )
+        # A failed scenario freezes at its last good state instead of spreading NaNs.
+        keep = alive & ok_now
+        new_change = jnp.maximum(jnp.max(jnp.abs(N1 - N)), jnp.max(jnp.abs(x_next - x_k)))
+        new = (N1, x_ring1, obs_ring1, new_acc, new_change)
+        old = (N, x_ring, obs_ring, acc, change)
+        N_o, xr_o, or_o, acc_o, ch_o = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(keep, a, b), new, old
+        )
+        return (N_o, xr_o, or_o, acc_o, new_status, ch_o)
+
+    return jax.lax.fori_loop(k0, k1, tick, carry)
+
+
+def _record(scn, eta, h, carry, k, *, policy, hist):
+    """The saved state at tick `k`, including the mass in flight on the network."""
+    N, x_ring, _, acc, _, _ = carry
+    dtype = scn.latency.dtype
+    tau = jnp.where(scn.allowed, scn.latency, 0.0)
+    t = k.astype(dtype) * h
+    # F(t_k) = sum_ij int_{t_k - tau_ij}^{t_k} lambda_i(s) x_ij(s) ds over the past ticks.
+    q = k - 1 - jnp.arange(hist - 1)
+    lo = jnp.maximum(q.astype(dtype)[:, None, None] * h, t - tau[None])
+    hi = jnp.maximum((q.astype(dtype) + 1.0)[:, None, None] * h, lo)
+    flight = jnp.sum(x_ring[q % hist] * _arc_integrals(scn, lo, hi))
+    return dict(
+        t=t,
+        N=N,
+        x=x_ring[k % hist],
+        arrivals=acc[0],
+        departures=acc[1],
+        source_arrivals=acc[2],
+        workload_integral=acc[3],
+        network_integral=acc[4],
+        in_flight=flight,
+    )
+
+
+@eqx.filter_jit
+def _simulate_batch(scn, eta, h, save_ticks, *, policy, integrator, hist, progress):
+    kw = dict(policy=policy, hist=hist)
+    carry0 = jax.vmap(lambda s, e, hh: _init_carry(s, e, hh, **kw))(scn, eta, h)
+    run = jax.vmap(
+        lambda s, e, hh, c, a, b: _run_ticks(s, e, hh, c, a, b, integrator=integrator, **kw)
+    )
+    rec = jax.vmap(lambda s, e, hh, c, k: _record(s, e, hh, c, k, **kw))
+
+    def segment(carry, ks):
+        k0, k1 = ks
+        carry = run(scn, eta, h, carry, k0, k1)
+        if progress is not None:
+            jax.debug.callback(progress, jnp.max(k1), ordered=False)
+        return carry, rec(scn, eta, h, carry, k1)
+
+    pairs = jnp.stack([save_ticks[:, :-1].T, save_ticks[:, 1:].T], axis=1)  # (S, 2, B)
+    carry, recs = jax.lax.scan(segment, carry0, pairs)
+    first = rec(scn, eta, h, carry0, save_ticks[:, 0])
+    recs = jax.tree_util.tree_map(
+        lambda a, b: jnp.concatenate([a[None], b]).swapaxes(0, 1), first, recs
+    )
+    return recs, carry[4], carry[5]
+
+
+class _Progress:
+    """A small stderr progress line driven from inside the compiled loop."""
+
+    def __init__(self, total_segments: int, enabled: bool):
+        self.enabled = enabled
+        self.total = total_segments
+        self.count = 0
+        self.start = time.perf_counter()
+
+    def __call__(self, k):
+        if not self.enabled:
+            return
+        self.count += 1
+        frac = min(self.count / self.total, 1.0)
+        el = time.perf_counter() - self.start
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\rsimulating [{bar:<30}] {100 * frac:5.1f}%  {el:6.1f}s")
+        if self.count >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _hist_len(tau_max_over_h: float) -> int:
+    need = int(math.floor(tau_max_over_h + 1e-9)) + 2
+    return 1 << max(need - 1, 1).bit_length()
+
+
+def simulate(
+    scenario: Scenario,
+    policy: str | AbstractPolicy,
+    *,
+    step_size=1.0,
+    tick=0.05,
+    horizon: float = 50.0,
+    n_save: int = 100,
+    integrator: AbstractIntegrator = Fast(),
+    progress: bool = False,
+    throw: bool | None = None,
+    dtype=None,
+) -> Solution:
+    """Simulate the delayed fluid model under one routing policy, batched.
+
+    $\\dot N_j = \\sum_i \\lambda_i(t-\\tau_{ij})x_{ij}(t-\\tau_{ij}) - \\mu_j(N_j)$, routers
+    updating at every tick $t_k = kh$ from delayed observations (module docstring; seed
+    §3.2, §4; theory/dynamics.md).
+
+    **Arguments:**
+    - `scenario`: a `Scenario`, or a batch from `stack_scenarios` (leading axis `B`).
+    - `policy`: `"flow-grad"`, `"disc-lat"`, `"rand"`, ... or an `AbstractPolicy`.
+    - `step_size`: $\\eta$, broadcast against `(B, n)`: a scalar, `(n,)` per router, `(B, 1)`
+      one per batch element (a step-size sweep), or `(B, n)`.
+    - `tick`: the probe period $h$, a scalar or `(B,)`.
+    - `horizon`: $T$; must be a whole number of ticks for every batch element.
+    - `n_save`: number of save intervals; state is saved at ticks $\\lfloor sK/n_{save}\\rfloor$.
+    - `integrator`: `Fast(substeps)` (default) or `Accurate(rtol, atol)`.
+    - `progress`: print a progress line on stderr.
+    - `throw`: raise on a per-scenario failure; default True for one scenario, False for
+      a batch (failures are then reported in `Solution.status`).
+    - `dtype`: `jnp.float64` (default) or `jnp.float32` for throughput.
+
+    **Returns:** a `Solution`; unbatched when the inputs are.
+    """
+    pol = policy_from_name(policy) if isinstance(policy, str) else policy
+    if not isinstance(pol, AbstractPolicy):
+        raise ValueError(f"policy = {policy!r} is invalid: expected a policy name or object")
+    if not isinstance(integrator, AbstractIntegrator):
+        raise ValueError(f"integrator = {integrator!r} is invalid: expected Fast() or Accurate()")
+    dtype = jnp.dtype(jnp.float64 if dtype is None else dtype)
+    if dtype not in (jnp.dtype(jnp.float64), jnp.dtype(jnp.float32)):
+        raise ValueError(f"dtype = {dtype} is invalid: allowed float64 or float32")
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("dtype = float64 needs jax_enable_x64 (dlbfluid enables it on import)")
+
+    batched = len(scenario.batch_shape) > 0
+    if len(scenario.batch_shape) > 1:
+        raise ValueError(f"scenario batch shape {scenario.batch_shape}: expected at most one axis")
+    n = scenario.n_cells
+    eta = np.asarray(step_size, dtype=float)
+    hs = np.asarray(tick, dtype=float)
+    if hs.ndim > 1:
+        raise ValueError(f"tick has shape {hs.shape}: expected a scalar or (B,)")
+    if eta.ndim > 2 or (eta.ndim >= 1 and eta.shape[-1] not in (1, n)):
+        raise ValueError(
+            f"step_size has shape {eta.shape}: expected a scalar, (n,) = ({n},), (B, 1) or (B, {n})"
+        )
+    B = scenario.batch_shape[0] if batched else 1
+    cands = [B] + ([hs.shape[0]] if hs.ndim == 1 else []) + ([eta.shape[0]] if eta.ndim == 2 else [])
+    Bb = max(cands)
+    for c in cands:
+        if c not in (1, Bb):
+            raise ValueError(f"batch sizes do not broadcast: scenario {B}, tick {hs.shape}, "
+                             f"step_size {eta.shape}")
+    was_batched = batched or Bb > 1 or hs.ndim == 1 or eta.ndim == 2
+    eta_b = np.broadcast_to(eta, (Bb, n)).copy()
+    h_b = np.broadcast_to(hs, (Bb,)).copy()
+    if not np.all(np.isfinite(h_b)) or np.any(h_b <= 0):
+        raise ValueError(f"tick = {tick!r} is invalid: expected finite values > 0")
+    if not np.all(np.isfinite(eta_b)) or np.any(eta_b < 0):
+        raise ValueError(f"step_size = {step_size!r} is invalid: expected finite values >= 0")
+    T = float(horizon)
+    if not math.isfinite(T) or T <= 0:
+        raise ValueError(f"horizon = {horizon!r} is invalid: expected a finite number > 0")
+    K = np.rint(T / h_b).astype(np.int64)
+    if np.any(np.abs(K * h_b - T) > 1e-9 * max(T, 1.0)) or np.any(K < 1):
+        bad = h_b[np.abs(K * h_b - T) > 1e-9 * max(T, 1.0)]
+        raise ValueError(f"horizon = {T} is not a whole number of ticks for tick = {bad[:3]}: "
+                         "choose a horizon that is a multiple of every tick")
+    if not isinstance(n_save, int) or n_save < 1 or n_save > int(K.min()):
+        raise ValueError(f"n_save = {n_save!r} is invalid: expected an integer in [1, "
+                         f"{int(K.min())}] (the number of ticks)")
+    save_ticks = (np.arange(n_save + 1)[None, :] * K[:, None]) // n_save
+
+    scn = scenario.strip()
+    if not batched:
+        scn = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (Bb,) + a.shape), scn)
+    elif B != Bb:
+        scn = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (Bb,) + a.shape[1:]), scn)
+    scn = jax.tree_util.tree_map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
+    )
+    tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
+    hist = _hist_len(float((tau.reshape(Bb, -1).max(axis=1) / h_b).max()))
+
+    # Shard the batch over every device; pad the batch to a multiple of the device count.
+    ndev = jax.device_count()
+    pad = (-Bb) % ndev
+    args = (scn, jnp.asarray(eta_b, dtype), jnp.asarray(h_b, dtype), jnp.asarray(K),
+            jnp.asarray(save_ticks))
+    if pad:
+        args = jax.tree_util.tree_map(
+            lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), args
+        )
+    if ndev > 1:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+        spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+        args = jax.device_put(args, spec)
+    prog = _Progress(n_save, progress) if progress else None
+    scn_a, eta_a, h_a, _, st_a = args
+    rec, status, change = _simulate_batch(
+        scn_a, eta_a, h_a, st_a, policy=pol, integrator=integrator, hist=hist, progress=prog
+    )
+    if pad:
+        rec, status, change = jax.tree_util.tree_map(lambda a: a[:Bb], (rec, status, change))
+    sol = Solution(
+        t=rec["t"],
+        N=rec["N"],
+        x=rec["x"],
+        arrivals=rec["arrivals"],
+        departures=rec["departures"],
+        source_arrivals=rec["source_arrivals"],
+        workload_integral=rec["workload_integral"],
+        network_integral=rec["network_integral"],
+        in_flight=rec["in_flight"],
+        status=status,
+        final_change=change,
+        cell_mask=jnp.asarray(scn.cell_mask[:Bb]),
+        tick=jnp.asarray(h_b),
+        policy=pol.name,
+        cell_names=tuple(scenario.cell_names) if not batched else (),
+    )
+    if throw is None:
+        throw = not was_batched
+    if throw:
+        sol.raise_for_status()
+    if not was_batched:
+        sol = jax.tree_util.tree_map(lambda a: a[0], sol)
+    return sol
+
