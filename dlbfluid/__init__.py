@@ -8,22 +8,33 @@ import jax as _jax
 
 _jax.config.update("jax_enable_x64", True)
 
-from ._costs import arc_cost as arc_cost, destination_cost as destination_cost
+from ._costs import arc_cost as arc_cost
+from ._costs import destination_cost as destination_cost
 from ._costs import route_costs as route_costs
-from ._errors import OverloadError as OverloadError, ScenarioError as ScenarioError
-from ._policies import AbstractPolicy as AbstractPolicy, DiscreteRouting as DiscreteRouting
-from ._policies import FlowRouting as FlowRouting, POLICY_NAMES as POLICY_NAMES
-from ._policies import WeightedRandom as WeightedRandom, policy_from_name as policy_from_name
+from ._errors import OverloadError as OverloadError
+from ._errors import ScenarioError as ScenarioError
+from ._policies import POLICY_NAMES as POLICY_NAMES
+from ._policies import AbstractPolicy as AbstractPolicy
+from ._policies import DiscreteRouting as DiscreteRouting
+from ._policies import FlowRouting as FlowRouting
+from ._policies import WeightedRandom as WeightedRandom
+from ._policies import policy_from_name as policy_from_name
 from ._projection import project_simplex as project_simplex
-from ._scenario import Scenario as Scenario, check_capacity as check_capacity
-from ._scenario import default_scenario as default_scenario, load_scenario as load_scenario
-from ._scenario import pad_scenario as pad_scenario, scenario_from_dict as scenario_from_dict
+from ._scenario import Scenario as Scenario
+from ._scenario import check_capacity as check_capacity
+from ._scenario import default_scenario as default_scenario
+from ._scenario import load_scenario as load_scenario
+from ._scenario import pad_scenario as pad_scenario
+from ._scenario import scenario_from_dict as scenario_from_dict
 from ._scenario import scenario_to_dict as scenario_to_dict
 from ._scenario import stack_scenarios as stack_scenarios
 from ._scenario import weighted_random_routing as weighted_random_routing
 from ._service import ServiceModel as ServiceModel
-from ._simulate import Accurate as Accurate, Fast as Fast, simulate as simulate
-from ._solution import STATUS as STATUS, SimulationError as SimulationError
+from ._simulate import Accurate as Accurate
+from ._simulate import Fast as Fast
+from ._simulate import simulate as simulate
+from ._solution import STATUS as STATUS
+from ._solution import SimulationError as SimulationError
 from ._solution import Solution as Solution
 
 __version__ = "0.1.0"

@@ -146,7 +146,9 @@ def _parse_service(field: str, value: Any) -> tuple[int, float, float, float, fl
     if unknown:
         raise _err(field, value, f"unknown keys {sorted(unknown)} for model 'softplus'")
     cap = _finite_number(f"{field}.capacity", value.get("capacity"), minimum=0.0, strict=True)
-    L0 = _finite_number(f"{field}.base_latency", value.get("base_latency"), minimum=0.0, strict=True)
+    L0 = _finite_number(
+        f"{field}.base_latency", value.get("base_latency"), minimum=0.0, strict=True
+    )
     knee = _finite_number(f"{field}.knee", value.get("knee"))
     width = _finite_number(f"{field}.width", value.get("width"), minimum=0.0, strict=True)
     a0 = L0 - knee / cap
@@ -181,8 +183,11 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
         raise _err("scenario", type(data).__name__, "expected a JSON object")
     unknown = set(data) - {"name", "cells", "latency", "initial", "description"}
     if unknown:
-        raise _err("scenario", sorted(unknown), "unknown top-level keys; allowed: name, "
-                   "description, cells, latency, initial")
+        raise _err(
+            "scenario",
+            sorted(unknown),
+            "unknown top-level keys; allowed: name, description, cells, latency, initial",
+        )
     name = data.get("name", "scenario")
     if not isinstance(name, str):
         raise _err("name", name, "expected a string")
@@ -197,8 +202,9 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
             raise _err(f, cell, "expected an object")
         unknown = set(cell) - {"name", "arrival_rate", "replicas", "service"}
         if unknown:
-            raise _err(f, sorted(unknown), "unknown keys; allowed: name, arrival_rate, "
-                       "replicas, service")
+            raise _err(
+                f, sorted(unknown), "unknown keys; allowed: name, arrival_rate, replicas, service"
+            )
         cname = cell.get("name", f"cell{j}")
         if not isinstance(cname, str) or not cname:
             raise _err(f"{f}.name", cname, "expected a non-empty string")
@@ -215,16 +221,22 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
         raise _err("cells[].name", names, "cell names must be unique")
 
     lat = data.get("latency")
-    if not isinstance(lat, list) or len(lat) != n or any(
-        not isinstance(row, list) or len(row) != n for row in lat
+    if (
+        not isinstance(lat, list)
+        or len(lat) != n
+        or any(not isinstance(row, list) or len(row) != n for row in lat)
     ):
         shape = (
             (len(lat), [len(r) if isinstance(r, list) else None for r in lat])
             if isinstance(lat, list)
             else type(lat).__name__
         )
-        raise _err("latency", shape, f"expected an {n} x {n} matrix (one row per cell) of "
-                   "one-way latencies in seconds, null for a forbidden arc")
+        raise _err(
+            "latency",
+            shape,
+            f"expected an {n} x {n} matrix (one row per cell) of "
+            "one-way latencies in seconds, null for a forbidden arc",
+        )
     tau = np.zeros((n, n))
     allowed = np.zeros((n, n), dtype=bool)
     for i in range(n):
@@ -256,26 +268,40 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
         w = initial["workload"]
         if not isinstance(w, list) or len(w) != n:
             raise _err("initial.workload", w, f"expected a list of {n} workloads >= 0")
-        N0 = np.array([_finite_number(f"initial.workload[{j}]", v, minimum=0.0)
-                       for j, v in enumerate(w)])
+        N0 = np.array(
+            [_finite_number(f"initial.workload[{j}]", v, minimum=0.0) for j, v in enumerate(w)]
+        )
     else:
         N0 = np.zeros(n)
     k = np.array(replicas)
     if "routing" in initial:
         r = initial["routing"]
-        if not isinstance(r, list) or len(r) != n or any(
-            not isinstance(row, list) or len(row) != n for row in r
+        if (
+            not isinstance(r, list)
+            or len(r) != n
+            or any(not isinstance(row, list) or len(row) != n for row in r)
         ):
             raise _err("initial.routing", r, f"expected an {n} x {n} matrix")
-        x0 = np.array([[_finite_number(f"initial.routing[{i}][{j}]", v, minimum=0.0)
-                        for j, v in enumerate(row)] for i, row in enumerate(r)])
+        x0 = np.array(
+            [
+                [
+                    _finite_number(f"initial.routing[{i}][{j}]", v, minimum=0.0)
+                    for j, v in enumerate(row)
+                ]
+                for i, row in enumerate(r)
+            ]
+        )
         for i in range(n):
             if np.any(x0[i][~allowed[i]] > 0):
-                raise _err(f"initial.routing[{i}]", r[i], "must be 0 on forbidden arcs "
-                           "(null latency)")
+                raise _err(
+                    f"initial.routing[{i}]", r[i], "must be 0 on forbidden arcs (null latency)"
+                )
             if allowed[i].any() and abs(x0[i].sum() - 1.0) > 1e-9:
-                raise _err(f"initial.routing[{i}]", r[i], "each row must sum to 1 (a "
-                           "probability vector over the allowed arcs)")
+                raise _err(
+                    f"initial.routing[{i}]",
+                    r[i],
+                    "each row must sum to 1 (a probability vector over the allowed arcs)",
+                )
     else:
         x0 = weighted_random_routing(allowed, k)
 
@@ -350,11 +376,21 @@ def scenario_to_dict(scn: Scenario) -> dict:
         if int(s.model[j]) == MM1:
             svc = {"model": "mm1", "capacity": float(s.capacity[j])}
         else:
-            svc = {"model": "softplus", "base_latency": float(s.base_latency[j]),
-                   "capacity": float(s.capacity[j]), "knee": float(s.knee[j]),
-                   "width": float(s.width[j])}
-        cells.append({"name": names[j], "arrival_rate": rate,
-                      "replicas": int(scn.replicas[j]), "service": svc})
+            svc = {
+                "model": "softplus",
+                "base_latency": float(s.base_latency[j]),
+                "capacity": float(s.capacity[j]),
+                "knee": float(s.knee[j]),
+                "width": float(s.width[j]),
+            }
+        cells.append(
+            {
+                "name": names[j],
+                "arrival_rate": rate,
+                "replicas": int(scn.replicas[j]),
+                "service": svc,
+            }
+        )
     tau = np.asarray(scn.latency)
     allowed = np.asarray(scn.allowed)
     latency = [[float(tau[i, j]) if allowed[i, j] else None for j in range(n)] for i in range(n)]
@@ -418,8 +454,12 @@ def check_capacity(scn: Scenario, *, rel_margin: float = 1e-9) -> None:
     mubar = np.asarray(scn.service.capacity)[:n]
     times = np.unique(np.asarray(scn.arrival_times)[:n].ravel())
     for t in times:
-        lam = np.array([np.interp(t, np.asarray(scn.arrival_times[i]),
-                                  np.asarray(scn.arrival_rates[i])) for i in range(n)])
+        lam = np.array(
+            [
+                np.interp(t, np.asarray(scn.arrival_times[i]), np.asarray(scn.arrival_rates[i]))
+                for i in range(n)
+            ]
+        )
         demand = lam.sum()
         if demand <= 0:
             continue

@@ -118,7 +118,9 @@ class ServiceModel(eqx.Module):
         # Softplus: mu(N) >= N/(a0' + beta N) style lower bounds are model-specific, so
         # bracket by doubling from the M/M/1-like guess, then bisect.
         beta = 1.0 / cap
-        lat_hi = jnp.maximum(self.base_latency, 1e-300) + beta * jnp.abs(self.knee) + beta * self.width
+        lat_hi = (
+            jnp.maximum(self.base_latency, 1e-300) + beta * jnp.abs(self.knee) + beta * self.width
+        )
         hi0 = jnp.maximum(zc * lat_hi, 1.0)
 
         def grow(_, hi):

@@ -102,6 +102,46 @@ def _inflow_cumulative(scn, tk, s, m_r, xprev, xcur):
     return xprev * _arc_integrals(scn, lo1, hi1) + xcur * _arc_integrals(scn, lo2, hi2)
 
 
+def _cell_inflow_between(scn, tk, s0, s1, m_r, xprev, xcur):
+    """Inflow into cell $j$ over local times $[s0_{ij}, s1_{ij}]$ for every `(i, j)`.
+
+    Entry `[i, j]` sums the arcs $(i', j)$ over sources $i'$; shape `(n, n)` (work $n^3$).
+    """
+    tau, r = m_r
+    base = (tk - tau)[None]  # (1, i', j)
+    r3 = r[None]
+    a, b = s0[:, None, :], s1[:, None, :]  # (i, 1, j)
+
+    def cum(s):
+        lo1, hi1 = base, base + jnp.minimum(s, r3)
+        lo2, hi2 = base + r3, base + jnp.maximum(s, r3)
+        shape = jnp.broadcast_shapes(hi1.shape, hi2.shape)
+        lo1, hi1, lo2, hi2 = (jnp.broadcast_to(v, shape) for v in (lo1, hi1, lo2, hi2))
+        return xprev[None] * _arc_integrals(scn, lo1, hi1) + xcur[None] * _arc_integrals(
+            scn, lo2, hi2
+        )
+
+    return jnp.sum(cum(b) - cum(a), axis=1)
+
+
+def _rk4_cell_step(rate, N, A, dt):
+    """One RK4 step of $\\dot N = A/dt - \\mu(N)$ over a step of length `dt` with inflow
+    mass `A` (elementwise; `dt` may be 0). Returns the new state, the departures of the step
+    (so that $N_{new} = N + A - D$ exactly) and the RK4 quadrature of $\\int N\\,dt$."""
+    safe = jnp.where(dt > 0, dt, 1.0)
+    abar = jnp.where(dt > 0, A / safe, 0.0)
+    m1 = rate(N)
+    N2 = N + 0.5 * dt * (abar - m1)
+    m2 = rate(N2)
+    N3 = N + 0.5 * dt * (abar - m2)
+    m3 = rate(N3)
+    N4 = N + dt * (abar - m3)
+    m4 = rate(N4)
+    dep = dt / 6.0 * (m1 + 2.0 * m2 + 2.0 * m3 + m4)
+    area = dt / 6.0 * (N + 2.0 * N2 + 2.0 * N3 + N4)
+    return N + A - dep, dep, area
+
+
 def _tick_fast(scn, tk, h, N, xprev, xcur, m_r, offsets, substeps):
     M = substeps
     dt = h / M
@@ -111,36 +151,19 @@ def _tick_fast(scn, tk, h, N, xprev, xcur, m_r, offsets, substeps):
     rate = scn.service.rate
 
     def step(N, A_p):
-        abar = A_p / dt
-        m1 = rate(N)
-        N2 = N + 0.5 * dt * (abar - m1)
-        m2 = rate(N2)
-        N3 = N + 0.5 * dt * (abar - m2)
-        m3 = rate(N3)
-        N4 = N + dt * (abar - m3)
-        m4 = rate(N4)
-        dep = dt / 6.0 * (m1 + 2.0 * m2 + 2.0 * m3 + m4)
-        q = dt / 6.0 * jnp.sum(N + 2.0 * N2 + 2.0 * N3 + N4)
-        N_next = N + A_p - dep
-        return N_next, (N_next, m1, dep, q, abar)
+        N_next, dep, area = _rk4_cell_step(rate, N, A_p, dt)
+        return N_next, (N_next, dep, jnp.sum(area))
 
-    N_end, (Ns, m_start, deps, qs, abars) = jax.lax.scan(step, N, A)
+    N_end, (Ns, deps, qs) = jax.lax.scan(step, N, A)
     grid = jnp.concatenate([N[None], Ns], axis=0)  # (M+1, n)
-    # Observations N_j(t_k + o_ij) by cubic Hermite on the sub-step containing o_ij, with
-    # end slopes abar_p - mu(N) of that sub-step's own (smooth) averaged equation.
-    m_end = jnp.concatenate([m_start[1:], rate(N_end)[None]], axis=0)
-    pos = offsets / dt
-    idx = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, M - 1)
-    w = jnp.clip(pos - idx, 0.0, 1.0)
+    # Observations N_j(t_k + o_ij): one more RK4 step of cell j from the grid point before
+    # o_ij, with the inflow integrated exactly up to o_ij. Interpolating instead would be
+    # only first order where a routing jump falls inside the sub-step.
+    idx = jnp.clip(jnp.floor(offsets / dt).astype(jnp.int32), 0, M - 1)
+    sp = idx.astype(h.dtype) * dt
     j = jnp.arange(N.shape[0])[None, :]
-    y0, y1 = grid[idx, j], grid[idx + 1, j]
-    d0 = (abars[idx, j] - m_start[idx, j]) * dt
-    d1 = (abars[idx, j] - m_end[idx, j]) * dt
-    h00 = (1 + 2 * w) * (1 - w) ** 2
-    h10 = w * (1 - w) ** 2
-    h01 = w**2 * (3 - 2 * w)
-    h11 = w**2 * (w - 1)
-    obs = h00 * y0 + h10 * d0 + h01 * y1 + h11 * d1
+    A_obs = _cell_inflow_between(scn, tk, sp, offsets, m_r, xprev, xcur)
+    obs = _rk4_cell_step(rate, grid[idx, j], A_obs, offsets - sp)[0]
     arrivals = jnp.sum(A, axis=0)
     departures = jnp.sum(deps, axis=0)
     return N_end, obs, arrivals, departures, jnp.sum(qs), jnp.asarray(STATUS["success"])
@@ -178,9 +201,7 @@ def _tick_accurate(scn, tk, h, N, xprev, xcur, m_r, offsets, solver: Accurate):
         dt0=None,
         y0=y0,
         saveat=dfx.SaveAt(ts=ts),
-        stepsize_controller=dfx.PIDController(
-            rtol=solver.rtol, atol=solver.atol, jump_ts=jumps
-        ),
+        stepsize_controller=dfx.PIDController(rtol=solver.rtol, atol=solver.atol, jump_ts=jumps),
         max_steps=solver.max_steps,
         throw=False,
     )
@@ -195,7 +216,6 @@ def _tick_accurate(scn, tk, h, N, xprev, xcur, m_r, offsets, solver: Accurate):
 
 
 def _setup(scn, eta, h, policy, hist):
-    n = scn.n_cells
     dtype = scn.latency.dtype
     tau = jnp.where(scn.allowed, scn.latency, 0.0)
     m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)
@@ -257,9 +277,7 @@ def _run_ticks(scn, eta, h, carry, k0, k1, *, policy, integrator, hist):
         )
         ok_now = finite & (st == STATUS["success"])
         alive = status == STATUS["success"]
-        new_status = jnp.where(
-            alive, jnp.where(finite, st, STATUS["nonfinite"]), status
-        )
+        new_status = jnp.where(alive, jnp.where(finite, st, STATUS["nonfinite"]), status)
         # A failed scenario freezes at its last good state instead of spreading NaNs.
         keep = alive & ok_now
         new_change = jnp.maximum(jnp.max(jnp.abs(N1 - N)), jnp.max(jnp.abs(x_next - x_k)))
@@ -408,12 +426,16 @@ def simulate(
             f"step_size has shape {eta.shape}: expected a scalar, (n,) = ({n},), (B, 1) or (B, {n})"
         )
     B = scenario.batch_shape[0] if batched else 1
-    cands = [B] + ([hs.shape[0]] if hs.ndim == 1 else []) + ([eta.shape[0]] if eta.ndim == 2 else [])
+    cands = (
+        [B] + ([hs.shape[0]] if hs.ndim == 1 else []) + ([eta.shape[0]] if eta.ndim == 2 else [])
+    )
     Bb = max(cands)
     for c in cands:
         if c not in (1, Bb):
-            raise ValueError(f"batch sizes do not broadcast: scenario {B}, tick {hs.shape}, "
-                             f"step_size {eta.shape}")
+            raise ValueError(
+                f"batch sizes do not broadcast: scenario {B}, tick {hs.shape}, "
+                f"step_size {eta.shape}"
+            )
     was_batched = batched or Bb > 1 or hs.ndim == 1 or eta.ndim == 2
     eta_b = np.broadcast_to(eta, (Bb, n)).copy()
     h_b = np.broadcast_to(hs, (Bb,)).copy()
@@ -427,11 +449,15 @@ def simulate(
     K = np.rint(T / h_b).astype(np.int64)
     if np.any(np.abs(K * h_b - T) > 1e-9 * max(T, 1.0)) or np.any(K < 1):
         bad = h_b[np.abs(K * h_b - T) > 1e-9 * max(T, 1.0)]
-        raise ValueError(f"horizon = {T} is not a whole number of ticks for tick = {bad[:3]}: "
-                         "choose a horizon that is a multiple of every tick")
+        raise ValueError(
+            f"horizon = {T} is not a whole number of ticks for tick = {bad[:3]}: "
+            "choose a horizon that is a multiple of every tick"
+        )
     if not isinstance(n_save, int) or n_save < 1 or n_save > int(K.min()):
-        raise ValueError(f"n_save = {n_save!r} is invalid: expected an integer in [1, "
-                         f"{int(K.min())}] (the number of ticks)")
+        raise ValueError(
+            f"n_save = {n_save!r} is invalid: expected an integer in [1, "
+            f"{int(K.min())}] (the number of ticks)"
+        )
     save_ticks = (np.arange(n_save + 1)[None, :] * K[:, None]) // n_save
 
     scn = scenario.strip()
@@ -448,8 +474,13 @@ def simulate(
     # Shard the batch over every device; pad the batch to a multiple of the device count.
     ndev = jax.device_count()
     pad = (-Bb) % ndev
-    args = (scn, jnp.asarray(eta_b, dtype), jnp.asarray(h_b, dtype), jnp.asarray(K),
-            jnp.asarray(save_ticks))
+    args = (
+        scn,
+        jnp.asarray(eta_b, dtype),
+        jnp.asarray(h_b, dtype),
+        jnp.asarray(K),
+        jnp.asarray(save_ticks),
+    )
     if pad:
         args = jax.tree_util.tree_map(
             lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), args
@@ -489,4 +520,3 @@ def simulate(
     if not was_batched:
         sol = jax.tree_util.tree_map(lambda a: a[0], sol)
     return sol
-

@@ -122,8 +122,20 @@ class Solution(eqx.Module):
     def to_numpy(self) -> dict:
         """Every array field as numpy (for `np.savez`)."""
         out = {}
-        for f in ("t", "N", "x", "arrivals", "departures", "source_arrivals",
-                  "workload_integral", "network_integral", "in_flight", "status",
-                  "final_change", "cell_mask", "tick"):
+        for f in (
+            "t",
+            "N",
+            "x",
+            "arrivals",
+            "departures",
+            "source_arrivals",
+            "workload_integral",
+            "network_integral",
+            "in_flight",
+            "status",
+            "final_change",
+            "cell_mask",
+            "tick",
+        ):
             out[f] = np.asarray(getattr(self, f))
         return out

@@ -8,7 +8,13 @@ import equinox as eqx
 from jaxtyping import Array, Bool, Float
 
 POLICY_NAMES = (
-    "disc-rif", "disc-lat", "disc-grad", "flow-rif", "flow-lat", "flow-grad", "rand",
+    "disc-rif",
+    "disc-lat",
+    "disc-grad",
+    "flow-rif",
+    "flow-lat",
+    "flow-grad",
+    "rand",
 )
 _COST_OF = {"rif": "rif", "lat": "latency", "grad": "gradient"}
 

@@ -1,0 +1,62 @@
+"""The `dlbfluid` command line: one sub-command per verb.
+
+Each sub-command lives in its own module exposing `register(subparsers)`, which adds its
+parser and sets `func` (called with the parsed arguments, returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import _demo, _simulate
+
+_COMMANDS = [_simulate, _demo]
+
+
+def _optional(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:  # a sub-command module not present in this build
+        if e.name == f"{__name__}.{name}":
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dlbfluid",
+        description="The DLB fluid model of distributed load balancing for GenAI inference: "
+        "delayed routing dynamics, equilibria and convergence diagnostics, in JAX.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    mods = list(_COMMANDS)
+    for name in ("_equilibrium",):
+        mod = _optional(name)
+        if mod is not None:
+            mods.append(mod)
+    for mod in mods:
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .._errors import ScenarioError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ScenarioError as e:
+        print(f"dlbfluid {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"dlbfluid {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Pieces shared by the sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def load_scenario_arg(path: str, *, allow_overload: bool = False):
+    """A scenario from a path, or the built-in default for the literal name `default`."""
+    from .._scenario import default_scenario, load_scenario
+
+    if path == "default":
+        return default_scenario()
+    return load_scenario(path, allow_overload=allow_overload)
+
+
+def _clean(obj):
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _clean(obj.tolist())
+    if isinstance(obj, (np.floating, float)):
+        v = float(obj)
+        return v if math.isfinite(v) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def emit_json(obj, stream=None) -> None:
+    """Exactly one JSON object on stdout (non-finite numbers become null)."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(json.dumps(_clean(obj)) + "\n")
+    stream.flush()
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(_clean(obj), indent=2) + "\n")
+
+
+def positive_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a number") from None
+        if not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a finite number > 0")
+        return v
+
+    parse.__name__ = name
+    return parse
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """A plain aligned text table."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

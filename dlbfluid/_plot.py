@@ -1,0 +1,50 @@
+"""Plots of simulated trajectories (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def plot_trajectories(solutions, path: str | Path, *, title: str = "") -> Path:
+    """Workloads $N_j(t)$ and routing $x_{ij}(t)$ of one or more unbatched `Solution`s,
+    one column per policy, written to `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sols = list(solutions) if isinstance(solutions, (list, tuple)) else [solutions]
+    k = len(sols)
+    fig, axes = plt.subplots(2, k, figsize=(3.2 * k + 1, 5.5), squeeze=False, sharex="col")
+    for c, sol in enumerate(sols):
+        n = int(np.asarray(sol.cell_mask).sum())
+        names = list(sol.cell_names) or [f"cell{j}" for j in range(n)]
+        t = np.asarray(sol.t)
+        N = np.asarray(sol.N)[:, :n]
+        x = np.asarray(sol.x)[:, :n, :n]
+        ax = axes[0, c]
+        for j in range(n):
+            ax.plot(t, N[:, j], lw=1.2, label=names[j])
+        ax.set_title(sol.policy, fontsize=10)
+        if c == 0:
+            ax.set_ylabel("workload $N_j$")
+        ax = axes[1, c]
+        # Flow-weighted share of each destination: sum_i lambda-free view, x averaged
+        # over sources with arrivals, keeps the panel readable for any n.
+        for j in range(n):
+            ax.plot(t, x[:, :, j].mean(axis=1), lw=1.2, label=names[j])
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("time (s)")
+        if c == 0:
+            ax.set_ylabel("mean routing share $\\bar x_{\\cdot j}$")
+    axes[0, -1].legend(fontsize=7, loc="upper right")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
