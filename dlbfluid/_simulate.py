@@ -489,6 +489,13 @@ def simulate(
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
         spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
         args = jax.device_put(args, spec)
+    if isinstance(integrator, Accurate):
+        # Tolerances travel as arrays so that a tolerance sweep reuses one compilation.
+        integrator = eqx.tree_at(
+            lambda a: (a.rtol, a.atol),
+            integrator,
+            (jnp.asarray(integrator.rtol, dtype), jnp.asarray(integrator.atol, dtype)),
+        )
     prog = _Progress(n_save, progress) if progress else None
     scn_a, eta_a, h_a, _, st_a = args
     rec, status, change = _simulate_batch(

@@ -1,0 +1,808 @@
+"""Equilibria of the DLB fluid model as one batched convex program (seed §4, App. C.2).
+
+For a cost family $c_{ij}(N_j) = f_j(N_j) + g_{ij}$ (`rif`, `latency`, `gradient`), the
+equilibrium routing minimises the potential
+
+$$\\Psi(x) = \\sum_j p_j(z_j) + \\sum_{(i,j)} g_{ij}\\lambda_i x_{ij}, \\qquad
+z_j = \\sum_i \\lambda_i x_{ij}, \\qquad p_j(z) = \\int_0^z f_j(\\mu_j^{-1}(s))\\,ds$$
+
+over the product of simplices restricted to allowed arcs, with $z_j < \\bar\\mu_j$
+(theory/equilibria.md §1). The solver works with the arc flows $y_{ij} = \\lambda_i x_{ij}$:
+
+1. an infeasible-start primal-dual interior-point method (Newton steps on the perturbed
+   KKT system, Mehrotra's centring rule, fraction-to-the-boundary steps that keep
+   $y > 0$, $s > 0$ *and* $z < \\bar\\mu$, and Armijo backtracking on a residual merit
+   function) brings the relative duality gap below `1e-10`;
+2. an active-set Newton *polish* then solves the equality KKT system on the identified
+   support exactly (theory/equilibria.md §3).
+
+Both stages solve their Newton systems through a Schur complement in the per-source
+multipliers, a symmetric diagonally dominant M-matrix that is factored by GTH-style
+(subtraction-free) elimination, so the solve keeps its accuracy when the interior-point
+weights span many orders of magnitude. Every scenario of a batch runs the same array
+program (vmap); padded cells carry no arcs and no arrivals.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from ._costs import COSTS, arc_cost, check_cost, destination_cost
+from ._errors import OverloadError
+from ._scenario import Scenario, check_capacity, pad_scenario
+from ._service import SOFTPLUS, ServiceModel
+
+EQ_STATUS = {"success": 0, "not_converged": 1, "nonfinite": 2}
+EQ_STATUS_NAMES = {v: k for k, v in EQ_STATUS.items()}
+EQ_STATUS_MESSAGES = {
+    0: "success",
+    1: "the KKT residual did not reach `tol` within `max_iters` interior-point iterations",
+    2: "a non-finite value appeared",
+}
+
+# Python-side count of traces of the batched solver, per cost (tests check recompiles).
+_TRACES: collections.Counter = collections.Counter()
+
+_IPM_TOL = 1e-10  # relative duality gap and residuals at which the polish takes over
+_POLISH_ITERS = 8
+_POLISH_REG = 1e-9  # proximal weight of the polish step, relative to the cell curvature
+_TINY = 1e-300
+_HUGE = 1e300
+
+
+class EquilibriumError(RuntimeError):
+    """A scenario of a `throw=True` equilibrium solve did not converge."""
+
+
+# ----------------------------------------------------------------------------------------
+# Flow-space service functions
+# ----------------------------------------------------------------------------------------
+
+
+def inverse_rate(service: ServiceModel, z, guess=None, *, max_iter: int = 60):
+    """$N_j = \\mu_j^{-1}(z_j)$ for $0 \\le z_j < \\bar\\mu_j$, $+\\infty$ for $z_j \\ge \\bar\\mu_j$.
+
+    M/M/1: $z/(\\bar\\mu - z)$. Softplus: Newton on
+    $h(N) = N(\\bar\\mu - z)/\\bar\\mu - z\\,[a_0 + \\beta s\\,\\mathrm{sp}((N_0-N)/s)]$, which is
+    $N - z\\ell(N)$ written without cancellation. $h$ is concave and increasing, so Newton
+    steps from any point left of the root increase monotonically to it; the start is the
+    lower bound $\\max(zL_0,\\ z a_0/(1-z\\beta))$ (from $\\ell(N) \\ge \\max(L_0, a_0+\\beta N)$)
+    or a warm `guess` above it (a step from the right lands left of the root). Iterates
+    until every relative step is below $10^{-13}$ (theory/equilibria.md §3.4).
+    """
+    cap = service.capacity
+    inside = z < cap
+    zc = jnp.where(inside, jnp.maximum(z, 0.0), 0.0)
+    mm1 = zc / (cap - zc)
+    sp = service.model == SOFTPLUS
+    zs = jnp.where(sp, zc, 0.0)
+    slack = (cap - zs) / cap
+    beta = 1.0 / cap
+    L0, N0, s = service.base_latency, service.knee, service.width
+    a0 = L0 - beta * N0
+    lb = jnp.maximum(zs * L0, zs * a0 / slack)
+    if guess is None:
+        N = lb
+    else:
+        g = jnp.where(jnp.isfinite(guess), guess, 0.0)
+        N = jnp.maximum(g, lb)
+
+    def step(N):
+        v = (N0 - N) / s
+        h = N * slack - zs * (a0 + beta * s * jax.nn.softplus(v))
+        hp = slack + zs * beta * jax.nn.sigmoid(v)
+        return jnp.maximum(N - h / hp, lb)
+
+    def cond(c):
+        k, N, Nn = c
+        return (k < max_iter) & jnp.any(jnp.abs(Nn - N) > 1e-13 * Nn)
+
+    def body(c):
+        k, _, Nn = c
+        return k + 1, Nn, step(Nn)
+
+    _, _, N = jax.lax.while_loop(cond, body, (jnp.asarray(0), N, step(N)))
+    out = jnp.where(sp, N, mm1)
+    return jnp.where(inside, out, jnp.inf)
+
+
+def _cost_and_curvature(cost: str, scn: Scenario, N):
+    """$F_j = f_j(N_j)$ and $P_j = dF_j/dz_j = f_j'(N_j)/\\mu_j'(N_j)$ (the Hessian of $p_j$)."""
+    Ne = jnp.maximum(N, 1e-300)
+    F, dF = jax.jvp(lambda M: destination_cost(cost, scn, M), (Ne,), (jnp.ones_like(Ne),))
+    P = dF / scn.service.rate_prime(Ne)
+    P = jnp.clip(jnp.where(jnp.isfinite(P), P, _HUGE), _TINY, _HUGE)
+    return F, P
+
+
+# Gauss-Legendre rule for the potentials of softplus cells (8 panels x 16 nodes).
+_GL_X, _GL_W = np.polynomial.legendre.leggauss(16)
+_PANELS = 8
+
+
+def _gl_integral(fun, a, b):
+    """$\\int_a^b$ `fun` by composite Gauss-Legendre (elementwise over cells)."""
+    edges = a[..., None] + (b - a)[..., None] * jnp.linspace(0.0, 1.0, _PANELS + 1)
+    lo, hi = edges[..., :-1], edges[..., 1:]
+    mid, half = 0.5 * (lo + hi), 0.5 * (hi - lo)
+    nodes = mid[..., None] + half[..., None] * jnp.asarray(_GL_X)
+    vals = fun(nodes)
+    return jnp.sum(jnp.sum(vals * jnp.asarray(_GL_W), axis=-1) * half, axis=-1)
+
+
+def potential(cost: str, scn: Scenario, z, N):
+    """$p_j(z_j) = \\int_0^{z_j} f_j(\\mu_j^{-1}(s))ds = \\int_0^{N_j} f_j(n)\\mu_j'(n)\\,dn$.
+
+    Closed forms (theory-notes §4, theory/equilibria.md §1.2): gradient $p = N$; M/M/1
+    latency $\\ln(1+N)$; M/M/1 RIF $(-z + \\bar\\mu\\ln(1+N))/k$. Softplus latency and RIF
+    split $[0, N]$ at $N_0 \\mp 40s$: below the knee $\\ell \\equiv L_0$ (exact to $e^{-40}$),
+    above it $\\ell = a_0 + \\beta n$ (closed forms), and the knee window is integrated by
+    composite Gauss-Legendre.
+    """
+    svc = scn.service
+    if cost == "gradient":
+        return N
+    cap, L0, N0, s = svc.capacity, svc.base_latency, svc.knee, svc.width
+    beta = 1.0 / cap
+    a0 = L0 - beta * N0
+    sp = svc.model == SOFTPLUS
+    Nf = jnp.where(jnp.isfinite(N), N, 0.0)
+    a = jnp.clip(N0 - 40.0 * s, 0.0, Nf)
+    b = jnp.clip(N0 + 40.0 * s, a, Nf)
+
+    def ell_q(n):
+        v = jnp.expand_dims
+        L0_, N0_, s_, b_ = v(L0, -1), v(N0, -1), v(s, -1), v(beta, -1)
+        while L0_.ndim < n.ndim:
+            L0_, N0_, s_, b_ = v(L0_, -1), v(N0_, -1), v(s_, -1), v(b_, -1)
+        u = (n - N0_) / s_
+        ell = L0_ + b_ * s_ * jax.nn.softplus(u)
+        q = ell - n * b_ * jax.nn.sigmoid(u)
+        return ell, q
+
+    if cost == "latency":
+        # integrand l mu' = q / l
+        def fun(n):
+            ell, q = ell_q(n)
+            return q / ell
+
+        left = a
+        right = (a0 / beta) * jnp.log((a0 + beta * Nf) / (a0 + beta * b))
+        p_sp = left + _gl_integral(fun, a, b) + right
+        p_mm1 = jnp.log1p(Nf)
+    elif cost == "rif":
+        # integrand (n/k) mu' = n q / (k l^2)
+        def fun(n):
+            ell, q = ell_q(n)
+            return n * q / ell**2
+
+        left = a**2 / (2.0 * L0)
+        right = (a0 / beta**2) * (
+            jnp.log((a0 + beta * Nf) / (a0 + beta * b)) + a0 / (a0 + beta * Nf) - a0 / (a0 + beta * b)
+        )
+        p_sp = (left + _gl_integral(fun, a, b) + right) / scn.replicas
+        p_mm1 = (-z + cap * jnp.log1p(Nf)) / scn.replicas
+    else:
+        raise ValueError(f"cost = {cost!r} is invalid: allowed costs are {list(COSTS)}")
+    out = jnp.where(sp, p_sp, p_mm1)
+    return jnp.where(jnp.isfinite(N), out, jnp.inf)
+
+
+# ----------------------------------------------------------------------------------------
+# Newton systems
+# ----------------------------------------------------------------------------------------
+
+
+def _mmatrix_solve(off, excess, b):
+    """Solve $Su = b$ for a symmetric M-matrix given by its off-diagonal part `off`
+    ($\\le 0$, zero diagonal) and its row sums `excess` $v_i = \\sum_k S_{ik} \\ge 0$.
+
+    Gaussian elimination in the GTH form: every pivot is recomputed as the remaining
+    off-diagonal mass plus the row excess, and the excesses are updated as sums of
+    non-negative terms, so no step subtracts nearly equal numbers (theory/equilibria.md
+    §3.2). No pivoting is needed: the matrix stays diagonally dominant.
+    """
+    n = b.shape[-1]
+    idx = jnp.arange(n)
+    offdiag = idx[:, None] != idx[None, :]
+
+    def elim(k, carry):
+        A, v, rhs, piv = carry
+        rem = idx > k
+        p = v[k] + jnp.sum(jnp.where(rem, -A[k], 0.0))
+        p = jnp.where(p > 0, p, 1.0)
+        l = jnp.where(rem, A[:, k] / p, 0.0)
+        upd = rem[:, None] & rem[None, :] & offdiag
+        A = jnp.where(upd, A - l[:, None] * A[k][None, :], A)
+        v = jnp.where(rem, v - l * v[k], v)
+        rhs = jnp.where(rem, rhs - l * rhs[k], rhs)
+        return A, v, rhs, piv.at[k].set(p)
+
+    A, _, rhs, piv = jax.lax.fori_loop(0, n, elim, (off, excess, b, jnp.ones_like(b)))
+
+    def back(t, u):
+        k = n - 1 - t
+        rem = idx > k
+        return u.at[k].set((rhs[k] - jnp.sum(jnp.where(rem, A[k] * u, 0.0))) / piv[k])
+
+    return jax.lax.fori_loop(0, n, back, jnp.zeros_like(b))
+
+
+def _newton_direction(E, q, rp, P, src):
+    """Solve the linearised KKT system in the arc flows for `(dy, dnu)`:
+
+    $P_j\\,\\Delta z_j - \\Delta\\nu_i + \\Delta y_{ij}/E_{ij} = -q_{ij}$ on arcs with $E_{ij} > 0$,
+    $\\sum_j \\Delta y_{ij} = -r^p_i$, $\\Delta z_j = \\sum_i \\Delta y_{ij}$.
+
+    Eliminating $w_j = P_j\\Delta z_j = W_j(\\sum_i E_{ij}\\Delta\\nu_i - \\sum_i E_{ij}q_{ij})$,
+    $W_j = 1/(\\sum_i E_{ij} + 1/P_j)$, leaves $S\\Delta\\nu = \\text{rhs}$ with
+    $S_{ik} = -\\sum_j E_{ij}W_jE_{kj}$ ($i \\ne k$) and row sums $\\sum_j E_{ij}W_j/P_j$
+    (theory/equilibria.md §3.2). Rows of sources without demand are the identity.
+    """
+    n = q.shape[-1]
+    eye = jnp.eye(n, dtype=bool)
+    f = jnp.sum(E, axis=0)
+    W = 1.0 / (f + 1.0 / P)
+    Eq = E * q
+    Q = jnp.sum(Eq, axis=0)
+    EW = E * W[None, :]
+    off = -(EW @ E.T)
+    both = src[:, None] & src[None, :] & ~eye
+    off = jnp.where(both, off, 0.0)
+    excess = jnp.where(src, jnp.sum(EW / P[None, :], axis=1), 1.0)
+    rhs = jnp.where(src, -rp + jnp.sum(Eq, axis=1) - EW @ Q, 0.0)
+    dnu = _mmatrix_solve(off, excess, rhs)
+    w = W * (E.T @ dnu - Q)
+    dy = E * (dnu[:, None] - w[None, :] - q)
+    return dy, dnu
+
+
+def _step_to_boundary(v, dv, mask):
+    """Largest $\\alpha$ with $v + \\alpha\\,dv \\ge 0$ on `mask` (inf if unbounded)."""
+    r = jnp.where(mask & (dv < 0), -v / jnp.where(dv < 0, dv, -1.0), jnp.inf)
+    return jnp.min(r)
+
+
+# ----------------------------------------------------------------------------------------
+# One scenario
+# ----------------------------------------------------------------------------------------
+
+
+class _Problem(eqx.Module):
+    scn: Scenario
+    lam: Float[Array, " n"]
+    g: Float[Array, "n n"]
+    A: Bool[Array, "n n"]  # arcs that may carry flow: allowed, real cells, source demand > 0
+    arcs: Bool[Array, "n n"]  # allowed arcs between real cells
+    src: Bool[Array, " n"]  # real cells with demand
+    cost: str = eqx.field(static=True)
+
+    def evaluate(self, y, N_guess):
+        z = jnp.sum(jnp.where(self.A, y, 0.0), axis=0)
+        N = inverse_rate(self.scn.service, z, N_guess)
+        F, P = _cost_and_curvature(self.cost, self.scn, N)
+        return z, N, F, P
+
+
+def _make_problem(scn: Scenario, lam, cost: str) -> _Problem:
+    mask = scn.cell_mask
+    arcs = scn.allowed & mask[:, None] & mask[None, :]
+    lam = jnp.where(mask, lam, 0.0)
+    src = mask & (lam > 0)
+    return _Problem(scn=scn, lam=lam, g=arc_cost(cost, scn), A=arcs & src[:, None], arcs=arcs,
+                    src=src, cost=cost)
+
+
+def _certify(pb: _Problem, y, N_guess):
+    """Routing, state and KKT certificate of the flows `y` (theory/equilibria.md §2).
+
+    Rows of sources with demand are $x_i = y_i/\\sum_j y_{ij}$; a source without demand
+    routes to its cheapest allowed cell. With $c_i = \\sum_j x_{ij}c_{ij}$ (the multiplier
+    estimate) and `used` $= x_{ij} > 0$:
+
+    * `flow_residual` $= \\max(\\max_j|\\mu_j(N_j) - z_j|, \\max_i \\lambda_i|\\sum_j x_{ij} - 1|)/\\Lambda$;
+    * `slackness_max_used` $= \\max_{\\text{used}}(c_{ij} - c_i)$ (0 at an equilibrium);
+    * `slackness_min_allowed` $= \\min_{\\text{allowed}}(c_{ij} - c_i)$ (0 at an equilibrium);
+    * `duality_gap` $= \\sum_{ij}\\lambda_i x_{ij}(c_{ij} - \\min_k c_{ik}) \\ge \\Psi(x) - \\Psi^*$;
+    * `kkt_residual` $= \\max(\\text{flow}, \\text{max\\_used}/\\bar c, (-\\text{min\\_allowed})^+/\\bar c)$
+      with $\\bar c = \\max_i c_i$ over sources with demand.
+    """
+    scn, lam, A, src = pb.scn, pb.lam, pb.A, pb.src
+    yA = jnp.where(A, jnp.maximum(y, 0.0), 0.0)
+    row = jnp.sum(yA, axis=1, keepdims=True)
+    xd = jnp.where(A & (row > 0), yA / jnp.where(row > 0, row, 1.0), 0.0)
+    z = jnp.sum(lam[:, None] * xd, axis=0)
+    N = inverse_rate(scn.service, z, N_guess)
+    F = destination_cost(pb.cost, scn, N)
+    c = jnp.where(pb.arcs, F[None, :] + pb.g, jnp.inf)
+    cmin = jnp.min(c, axis=1)
+    has_arc = jnp.any(pb.arcs, axis=1)
+    first = jnp.argmin(c, axis=1)
+    onehot = (jnp.arange(lam.shape[0])[None, :] == first[:, None]) & pb.arcs
+    x = jnp.where(src[:, None], xd, jnp.where(has_arc[:, None], onehot.astype(xd.dtype), 0.0))
+    cf = jnp.where(pb.arcs, c, 0.0)
+    ci = jnp.where(has_arc, jnp.sum(x * cf, axis=1), 0.0)
+    used = pb.arcs & (x > 0)
+    gap = cf - ci[:, None]
+    max_used = jnp.max(jnp.where(used & src[:, None], gap, -jnp.inf))
+    min_allowed = jnp.min(jnp.where(pb.arcs & src[:, None], gap, jnp.inf))
+    any_src = jnp.any(src)
+    max_used = jnp.where(any_src, max_used, 0.0)
+    min_allowed = jnp.where(any_src, min_allowed, 0.0)
+    Lam = jnp.sum(lam)
+    Lam_s = jnp.where(Lam > 0, Lam, 1.0)
+    mu = scn.service.rate(jnp.where(jnp.isfinite(N), N, 0.0))
+    flow = jnp.max(jnp.where(scn.cell_mask, jnp.abs(mu - z), 0.0))
+    simplex = jnp.max(jnp.where(src, lam * jnp.abs(jnp.sum(x, axis=1) - 1.0), 0.0))
+    flow_res = jnp.maximum(flow, simplex) / Lam_s
+    cbar = jnp.max(jnp.where(src, jnp.abs(ci), 0.0))
+    cbar = jnp.where(cbar > 0, cbar, 1.0)
+    kkt = jnp.maximum(flow_res, jnp.maximum(max_used, 0.0) / cbar)
+    kkt = jnp.maximum(kkt, jnp.maximum(-min_allowed, 0.0) / cbar)
+    yx = lam[:, None] * x
+    dual_gap = jnp.sum(jnp.where(pb.arcs & src[:, None], yx * (cf - cmin[:, None]), 0.0))
+    Nm = jnp.where(scn.cell_mask, N, 0.0)
+    p = jnp.where(scn.cell_mask, potential(pb.cost, scn, z, N), 0.0)
+    objective = jnp.sum(p) + jnp.sum(jnp.where(pb.arcs, pb.g * yx, 0.0))
+    tau = jnp.where(pb.arcs, scn.latency, 0.0)
+    social = jnp.sum(Nm) + jnp.sum(2.0 * tau * yx)
+    ok = (
+        jnp.isfinite(kkt)
+        & jnp.all(jnp.isfinite(Nm))
+        & jnp.all(jnp.isfinite(x))
+        & jnp.isfinite(objective)
+    )
+    kkt = jnp.where(ok, kkt, jnp.inf)
+    return dict(
+        x=x, z=z, N=Nm, multipliers=ci, objective=objective, social_cost=social,
+        mean_latency=social / Lam_s, kkt_residual=kkt, flow_residual=flow_res,
+        slackness_max_used=max_used, slackness_min_allowed=min_allowed,
+        duality_gap=dual_gap, finite=ok,
+    )
+
+
+def _ipm(pb: _Problem, max_iters):
+    """Infeasible-start primal-dual interior point on the arc flows (theory/equilibria.md §3.1).
+
+    Unknowns $y_{ij} > 0$ (arcs of `A`), slacks $s_{ij} > 0$, multipliers $\\nu_i$; residuals
+    $r^d = F_j + g_{ij} - \\nu_i - s_{ij}$, $r^p_i = \\sum_j y_{ij} - \\lambda_i$,
+    $r^c = y s - \\sigma\\mu$. Each iteration: affine direction, $\\sigma = (\\mu_{aff}/\\mu)^3$,
+    Newton direction for the target $\\sigma\\mu$, a step of at most 0.995 of the distance to
+    the boundary of $y \\ge 0$, $s \\ge 0$ and $z \\le \\bar\\mu$, then Armijo backtracking on
+    $\\|r^d/\\bar c\\|^2 + \\|r^p/\\bar\\lambda\\|^2 + \\|r^c/(\\bar c\\bar\\lambda)\\|^2$, for which the
+    Newton direction is always a descent direction. Iterates never leave $z < \\bar\\mu$.
+    """
+    scn, lam, A, src, g = pb.scn, pb.lam, pb.A, pb.src, pb.g
+    cap = scn.service.capacity
+    dtype = lam.dtype
+    m = jnp.maximum(jnp.sum(A), 1).astype(dtype)
+    Lam = jnp.maximum(jnp.sum(lam), _TINY)
+    ls = jnp.maximum(jnp.max(lam), _TINY)
+
+    # Start: capacity-weighted routing, scaled so that every cell is at most half full.
+    w0 = jnp.where(A, cap[None, :], 0.0)
+    x0 = w0 / jnp.maximum(jnp.sum(w0, axis=1, keepdims=True), _TINY)
+    z0 = jnp.sum(lam[:, None] * x0, axis=0)
+    t0 = jnp.minimum(1.0, 0.5 * jnp.min(jnp.where(z0 > 0, cap / jnp.where(z0 > 0, z0, 1.0),
+                                                     jnp.inf)))
+    y = t0 * lam[:, None] * x0
+    z, N, F, P = pb.evaluate(y, None)
+    c = F[None, :] + g
+    cs0 = jnp.maximum(jnp.max(jnp.where(A, c, 0.0)), _TINY)
+    nu = jnp.where(src, jnp.min(jnp.where(A, c, jnp.inf), axis=1) - cs0, 0.0)
+    s = jnp.where(A, c - nu[:, None], 1.0)
+
+    def residuals(y, s, nu, N):
+        z, N, F, P = pb.evaluate(y, N)
+        c = F[None, :] + g
+        rd = jnp.where(A, c - nu[:, None] - s, 0.0)
+        rp = jnp.where(src, jnp.sum(jnp.where(A, y, 0.0), axis=1) - lam, 0.0)
+        return z, N, F, P, c, rd, rp
+
+    def merit(rd, rp, rc, cs):
+        val = (
+            jnp.sum((rd / cs) ** 2) + jnp.sum((rp / ls) ** 2) + jnp.sum((rc / (cs * ls)) ** 2)
+        )
+        return jnp.where(jnp.isfinite(val), val, jnp.inf)
+
+    def cond(st):
+        return (~st["done"]) & (st["it"] < max_iters)
+
+    def body(st):
+        y, s, nu, N = st["y"], st["s"], st["nu"], st["N"]
+        z, N, F, P, c, rd, rp = residuals(y, s, nu, N)
+        cs = jnp.maximum(jnp.max(jnp.where(A, c, 0.0)), _TINY)
+        ys = jnp.where(A, y * s, 0.0)
+        mu = jnp.sum(ys) / m
+        conv = (
+            (jnp.sum(ys) <= _IPM_TOL * cs * Lam)
+            & (jnp.max(jnp.abs(rd)) <= _IPM_TOL * cs)
+            & (jnp.max(jnp.abs(rp)) <= _IPM_TOL * Lam)
+        )
+        ysafe = jnp.where(A, y, 1.0)
+        E = jnp.where(A, y / jnp.where(A, s, 1.0), 0.0)
+        # Predictor (affine-scaling) direction: target complementarity 0.
+        dy, dnu = _newton_direction(E, rd + jnp.where(A, s, 0.0), rp, P, src)
+        ds = jnp.where(A, -s - s * dy / ysafe, 0.0)
+        dz = jnp.sum(dy, axis=0)
+        a_aff = jnp.minimum(
+            1.0,
+            jnp.minimum(
+                jnp.minimum(_step_to_boundary(y, dy, A), _step_to_boundary(s, ds, A)),
+                _step_to_boundary(cap - z, -dz, scn.cell_mask),
+            ),
+        )
+        mu_aff = jnp.sum(jnp.where(A, (y + a_aff * dy) * (s + a_aff * ds), 0.0)) / m
+        sigma = jnp.clip((mu_aff / jnp.maximum(mu, _TINY)) ** 3, 0.0, 1.0)
+        target = sigma * mu
+        # Newton direction for the centred target (no second-order term, so that it is an
+        # exact Newton direction and a descent direction of the merit function).
+        rc = jnp.where(A, ys - target, 0.0)
+        dy, dnu = _newton_direction(E, rd + jnp.where(A, rc / ysafe, 0.0), rp, P, src)
+        ds = jnp.where(A, -(rc + s * dy) / ysafe, 0.0)
+        dz = jnp.sum(dy, axis=0)
+        amax = 0.995 * jnp.minimum(
+            jnp.minimum(_step_to_boundary(y, dy, A), _step_to_boundary(s, ds, A)),
+            _step_to_boundary(cap - z, -dz, scn.cell_mask),
+        )
+        a = jnp.minimum(1.0, amax)
+        m0 = merit(rd, rp, rc, cs)
+
+        def trial(a):
+            yt, st_, nut = y + a * dy, s + a * ds, nu + a * dnu
+            _, Nt, _, _, _, rdt, rpt = residuals(yt, st_, nut, N)
+            rct = jnp.where(A, yt * st_ - target, 0.0)
+            return merit(rdt, rpt, rct, cs), Nt
+
+        mt, Nt = trial(a)
+
+        def bt_cond(c):
+            a, mt, _, k = c
+            return (mt > (1.0 - 2e-4 * a) * m0) & (k < 60)
+
+        def bt_body(c):
+            a, _, _, k = c
+            a = 0.5 * a
+            mt, Nt = trial(a)
+            return a, mt, Nt, k + 1
+
+        a, mt, Nt, _ = jax.lax.while_loop(bt_cond, bt_body, (a, mt, Nt, jnp.asarray(0)))
+        ok = jnp.isfinite(mt) & (mt <= (1.0 - 2e-4 * a) * m0) & ~conv
+        new = dict(
+            y=jnp.where(ok, y + a * dy, y),
+            s=jnp.where(ok, s + a * ds, s),
+            nu=jnp.where(ok, nu + a * dnu, nu),
+            N=jnp.where(ok, Nt, N),
+            it=st["it"] + jnp.where(conv, 0, 1),
+            # A failed line search means no further progress is possible: stop.
+            done=conv | ~(jnp.isfinite(mt) & (mt <= (1.0 - 2e-4 * a) * m0)),
+            converged=conv,
+        )
+        return new
+
+    st0 = dict(y=y, s=s, nu=nu, N=N, it=jnp.asarray(0), done=jnp.asarray(False),
+               converged=jnp.asarray(False))
+    st = jax.lax.while_loop(cond, body, st0)
+    return st
+
+
+def _polish(pb: _Problem, y, s, nu, N):
+    """Active-set Newton on the equality KKT system of the identified support
+    (theory/equilibria.md §3.3): on active arcs $F_j(z_j) + g_{ij} = \\nu_i$, flows conserve
+    demand, inactive arcs carry nothing. Each step solves the same Schur system as the
+    interior point with weights $E_{ij} = 1/(\\epsilon P_j)$ (a proximal term that only
+    selects among equivalent flows on cycles of the support). Arcs whose flow would turn
+    negative leave the support; arcs with a clearly negative reduced cost join it."""
+    scn, lam, A, src, g = pb.scn, pb.lam, pb.A, pb.src, pb.g
+    cap = scn.service.capacity
+    cs = jnp.maximum(jnp.max(jnp.where(A, jnp.abs(nu[:, None]), 0.0)), _TINY)
+    lsrc = jnp.where(src, lam, 1.0)
+    act = A & (y / lsrc[:, None] >= s / cs)
+    # Every source with demand keeps at least its largest arc.
+    top = jnp.argmax(jnp.where(A, y, -jnp.inf), axis=1)
+    act = act | ((jnp.arange(lam.shape[0])[None, :] == top[:, None]) & A)
+    y = jnp.where(act, y, 0.0)
+
+    def body(_, c):
+        y, nu, N, act = c
+        z, N, F, P = pb.evaluate(y, N)
+        cst = F[None, :] + g
+        red = cst - nu[:, None]
+        csc = jnp.maximum(jnp.max(jnp.where(A, jnp.abs(cst), 0.0)), _TINY)
+        act = act | (A & (red < -1e-9 * csc))
+        rd = jnp.where(act, red, 0.0)
+        rp = jnp.where(src, jnp.sum(jnp.where(act, y, 0.0), axis=1) - lam, 0.0)
+        E = jnp.where(act, 1.0 / (_POLISH_REG * P[None, :]), 0.0)
+        dy, dnu = _newton_direction(E, rd, rp, P, src)
+        dz = jnp.sum(dy, axis=0)
+        a = jnp.minimum(1.0, 0.9 * _step_to_boundary(cap - z, -dz, scn.cell_mask))
+        yn = jnp.where(act, y + a * dy, 0.0)
+        neg = act & (yn <= 0.0)
+        act = act & ~neg
+        yn = jnp.where(act, yn, 0.0)
+        return yn, nu + a * dnu, N, act
+
+    return jax.lax.fori_loop(0, _POLISH_ITERS, body, (y, nu, N, act))
+
+
+def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
+    pb = _make_problem(scn, lam, cost)
+    st = _ipm(pb, max_iters)
+    cert_ipm = _certify(pb, st["y"], st["N"])
+    yp, _, Np, _ = _polish(pb, st["y"], st["s"], st["nu"], st["N"])
+    cert_pol = _certify(pb, yp, Np)
+    better = cert_pol["kkt_residual"] <= cert_ipm["kkt_residual"]
+    cert = jax.tree_util.tree_map(lambda a, b: jnp.where(better, a, b), cert_pol, cert_ipm)
+    status = jnp.where(
+        ~cert["finite"],
+        EQ_STATUS["nonfinite"],
+        jnp.where(cert["kkt_residual"] <= tol, EQ_STATUS["success"], EQ_STATUS["not_converged"]),
+    )
+    cert.pop("finite")
+    cert["iterations"] = st["it"] + _POLISH_ITERS
+    cert["status"] = status
+    return cert
+
+
+@eqx.filter_jit
+def _solve_batch(scn, time, tol, max_iters, *, cost):
+    _TRACES[cost] += 1
+    lam = jax.vmap(lambda s: s.arrival_rate(time))(scn)
+    return jax.vmap(lambda s, l: _solve_one(s, l, tol, max_iters, cost=cost))(scn, lam)
+
+
+# ----------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------
+
+
+class EquilibriumSolution(eqx.Module):
+    """An equilibrium of one cost family (batched: a leading axis `B` on every array).
+
+    **Fields** (`n` cells):
+    - `x`: `(n, n)` routing $x^*_{ij}$ (not unique in general; `N` and `z` are, Lemma 1).
+    - `z`: `(n,)` arrival flow $z^*_j = \\sum_i\\lambda_ix^*_{ij}$; `N`: `(n,)` workloads
+      $N^*_j = \\mu_j^{-1}(z^*_j)$.
+    - `multipliers`: `(n,)` the common cost $c_i = \\sum_j x_{ij}c_{ij}(N_j)$ of each source.
+    - `objective`: $\\Psi(x^*)$; `social_cost`: $\\sum_jN_j + \\sum_{ij}2\\tau_{ij}\\lambda_ix_{ij}$;
+      `mean_latency`: social cost / $\\Lambda$ (Little's law).
+    - certificate: `kkt_residual`, `flow_residual`, `slackness_max_used`,
+      `slackness_min_allowed`, `duality_gap` (definitions in theory/equilibria.md §2).
+    - `iterations`: interior-point plus polish iterations; `status`: `EQ_STATUS` code.
+    """
+
+    x: Float[Array, "... n n"]
+    z: Float[Array, "... n"]
+    N: Float[Array, "... n"]
+    multipliers: Float[Array, "... n"]
+    objective: Float[Array, "..."]
+    social_cost: Float[Array, "..."]
+    mean_latency: Float[Array, "..."]
+    kkt_residual: Float[Array, "..."]
+    flow_residual: Float[Array, "..."]
+    slackness_max_used: Float[Array, "..."]
+    slackness_min_allowed: Float[Array, "..."]
+    duality_gap: Float[Array, "..."]
+    iterations: Int[Array, "..."]
+    status: Int[Array, "..."]
+    cell_mask: Bool[Array, "... n"]
+    cost: str = eqx.field(static=True, default="")
+    cell_names: tuple[str, ...] = eqx.field(static=True, default=())
+
+    def status_names(self) -> np.ndarray:
+        return np.vectorize(EQ_STATUS_NAMES.get)(np.asarray(self.status))
+
+    def raise_for_status(self) -> None:
+        st = np.atleast_1d(np.asarray(self.status))
+        bad = np.nonzero(st != EQ_STATUS["success"])[0]
+        if bad.size:
+            codes = sorted(set(st[bad].tolist()))
+            kkt = np.atleast_1d(np.asarray(self.kkt_residual))[bad]
+            raise EquilibriumError(
+                f"{self.cost} equilibrium: {bad.size} scenario(s) failed (indices "
+                f"{bad[:10].tolist()}, KKT residuals {kkt[:10].tolist()}): "
+                + "; ".join(EQ_STATUS_MESSAGES[c] for c in codes)
+            )
+
+    def summary(self) -> dict:
+        """The JSON record of `dlbfluid equilibrium --json` (one unbatched solution)."""
+        if self.status.ndim != 0:
+            raise ValueError("summary() needs an unbatched EquilibriumSolution; index it first")
+        n = int(np.asarray(self.cell_mask).sum())
+        return {
+            "cost": self.cost,
+            "N": np.asarray(self.N)[:n].tolist(),
+            "z": np.asarray(self.z)[:n].tolist(),
+            "x": np.asarray(self.x)[:n, :n].tolist(),
+            "multipliers": np.asarray(self.multipliers)[:n].tolist(),
+            "objective": float(self.objective),
+            "mean_latency": float(self.mean_latency),
+            "social_cost": float(self.social_cost),
+            "kkt_residual": float(self.kkt_residual),
+            "flow_residual": float(self.flow_residual),
+            "slackness_max_used": float(self.slackness_max_used),
+            "slackness_min_allowed": float(self.slackness_min_allowed),
+            "duality_gap": float(self.duality_gap),
+            "iterations": int(self.iterations),
+            "status": EQ_STATUS_NAMES[int(self.status)],
+            "cells": list(self.cell_names),
+        }
+
+
+def _bucket(n: int) -> int:
+    """Pad unbatched scenarios to a few sizes so that they share compiled solvers."""
+    b = 4
+    while b < n:
+        b *= 2
+    return b
+
+
+def _constant_copy(scn: Scenario, lam: np.ndarray) -> Scenario:
+    """The same network with constant arrival rates `lam` (for the capacity check)."""
+    import dataclasses
+
+    lamj = jnp.asarray(lam)[:, None]
+    return dataclasses.replace(scn, arrival_times=jnp.zeros_like(lamj), arrival_rates=lamj)
+
+
+def _check_overload(scn: Scenario, time: float) -> None:
+    """Assumption 2 at time `time`, for one scenario or every scenario of a batch.
+
+    A capacity-weighted routing that is strictly feasible proves feasibility at once;
+    only the other scenarios go through the max-flow test of `check_capacity`.
+    """
+    batched = len(scn.batch_shape) > 0
+    times = np.asarray(scn.arrival_times)
+    rates = np.asarray(scn.arrival_rates)
+    allowed = np.asarray(scn.allowed)
+    mask = np.asarray(scn.cell_mask)
+    cap = np.asarray(scn.service.capacity)
+    if not batched:
+        times, rates, allowed, mask, cap = (a[None] for a in (times, rates, allowed, mask, cap))
+    B, n, P = times.shape
+    lam = np.empty((B, n))
+    for b in range(B):
+        for i in range(n):
+            lam[b, i] = np.interp(time, times[b, i], rates[b, i])
+    lam = np.where(mask, lam, 0.0)
+    arcs = allowed & mask[:, :, None] & mask[:, None, :]
+    w = np.where(arcs, cap[:, None, :], 0.0)
+    tot = w.sum(axis=2, keepdims=True)
+    x = np.where(tot > 0, w / np.where(tot > 0, tot, 1.0), 0.0)
+    z = np.einsum("bi,bij->bj", lam, x)
+    stranded = (lam > 0) & (tot[..., 0] <= 0)
+    quick = np.all(np.where(mask, z < cap * (1.0 - 1e-9), True), axis=1) & ~stranded.any(axis=1)
+    for b in np.nonzero(~quick)[0]:
+        one = scn if not batched else jax.tree_util.tree_map(lambda a: a[b], scn)
+        try:
+            check_capacity(_constant_copy(one, lam[b]))
+        except OverloadError as e:
+            if batched:
+                raise OverloadError(
+                    f"scenario {b} of the batch: {e}", cells=e.cells, sources=e.sources,
+                    demand=e.demand, capacity=e.capacity,
+                ) from None
+            raise
+
+
+def solve_equilibrium(
+    scenario: Scenario,
+    cost: str,
+    *,
+    tol: float = 1e-10,
+    max_iters: int = 200,
+    time: float = 0.0,
+    throw: bool | None = None,
+    check: bool = True,
+) -> EquilibriumSolution:
+    """Equilibrium of the cost family `cost` as the minimiser of the convex program (12).
+
+    $\\min_{x \\in \\mathcal X} \\Psi(x) = \\sum_j p_j(z_j) + \\sum_{(i,j)} g_{ij}\\lambda_ix_{ij}$,
+    $z_j = \\sum_i\\lambda_ix_{ij} < \\bar\\mu_j$, $p_j(z) = \\int_0^z f_j(\\mu_j^{-1}(s))ds$
+    (seed §4, App. C.2; theory/equilibria.md). `rif` gives equal RIF per replica,
+    `latency` the Wardrop equilibrium, `gradient` the social optimum (minimum mean
+    end-to-end latency).
+
+    **Arguments:**
+    - `scenario`: a `Scenario`, or a batch from `stack_scenarios` (leading axis `B`).
+    - `cost`: `"rif"`, `"latency"` or `"gradient"`.
+    - `tol`: KKT residual below which a scenario reports `success`.
+    - `max_iters`: interior-point iteration cap (a polish of 8 Newton steps follows).
+    - `time`: arrival rates are $\\lambda_i(\\texttt{time})$ of each profile.
+    - `throw`: raise `EquilibriumError` on a failed scenario; default True unbatched,
+      False for a batch (failures are then reported in `status`).
+    - `check`: test Assumption 2 first (set False only for inputs known to be feasible).
+
+    **Returns:** an `EquilibriumSolution`, batched iff `scenario` is.
+
+    **Raises:** `ValueError` for an unknown cost or bad options; `OverloadError` naming
+    the overloaded cells and sources when no routing serves the demand within capacity.
+    """
+    check_cost(cost)
+    if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
+        raise ValueError(f"tol = {tol!r} is invalid: expected a finite number > 0")
+    if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
+        raise ValueError(f"max_iters = {max_iters!r} is invalid: expected an integer >= 1")
+    if not (isinstance(time, (int, float)) and math.isfinite(time)):
+        raise ValueError(f"time = {time!r} is invalid: expected a finite number")
+    if len(scenario.batch_shape) > 1:
+        raise ValueError(
+            f"scenario batch shape {scenario.batch_shape}: expected at most one axis"
+        )
+    batched = len(scenario.batch_shape) == 1
+    if check:
+        _check_overload(scenario, float(time))
+    n = scenario.n_cells
+    if batched:
+        scn = scenario.strip()
+    else:
+        scn = pad_scenario(scenario, _bucket(n)).strip()
+        scn = jax.tree_util.tree_map(lambda a: a[None], scn)
+    scn = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
+    )
+    B = scn.batch_shape[0]
+    ndev = jax.device_count()
+    pad = (-B) % ndev
+    if pad:
+        scn = jax.tree_util.tree_map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, 0)]),
+                                     scn)
+    if ndev > 1:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+        spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+        scn = jax.device_put(scn, spec)
+    out = _solve_batch(
+        scn,
+        jnp.asarray(time, jnp.float64),
+        jnp.asarray(tol, jnp.float64),
+        jnp.asarray(max_iters, jnp.int32),
+        cost=cost,
+    )
+    out = jax.tree_util.tree_map(lambda a: a[:B], out)
+    sol = EquilibriumSolution(
+        cell_mask=scn.cell_mask[:B], cost=cost,
+        cell_names=tuple(scenario.cell_names) if not batched else (), **out
+    )
+    if not batched:
+        sol = jax.tree_util.tree_map(lambda a: a[0], sol)
+        sol = _unpad(sol, n)
+    if throw is None:
+        throw = not batched
+    if throw:
+        sol.raise_for_status()
+    return sol
+
+
+def _unpad(sol: EquilibriumSolution, n: int) -> EquilibriumSolution:
+    return eqx.tree_at(
+        lambda s: (s.x, s.z, s.N, s.multipliers, s.cell_mask),
+        sol,
+        (sol.x[:n, :n], sol.z[:n], sol.N[:n], sol.multipliers[:n], sol.cell_mask[:n]),
+    )
+
+
+def price_of_anarchy(scenario: Scenario, **kwargs) -> dict:
+    """Price of anarchy of the Wardrop (latency) and RIF equilibria, per scenario.
+
+    $\\mathrm{PoA}_c = C(x^c)/C(x^{grad})$ with the social cost
+    $C(x) = \\sum_jN_j + \\sum_{ij}2\\tau_{ij}\\lambda_ix_{ij}$ (theory/equilibria.md §5).
+
+    **Arguments:** `scenario` (unbatched or batched) and the keyword options of
+    `solve_equilibrium`.
+
+    **Returns:** `{"latency": ratio, "rif": ratio, "equilibria": {cost: EquilibriumSolution}}`.
+    """
+    sols = {c: solve_equilibrium(scenario, c, **kwargs) for c in ("gradient", "latency", "rif")}
+    opt = sols["gradient"].social_cost
+    return {
+        "latency": sols["latency"].social_cost / opt,
+        "rif": sols["rif"].social_cost / opt,
+        "equilibria": sols,
+    }

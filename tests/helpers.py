@@ -1,0 +1,102 @@
+"""A catalogue of scenarios with known answers, shared by the tests.
+
+Closed forms are derived in theory/equilibria.md and theory-notes §8 (cited per entry).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+# Three cells, unequal delays (none a multiple of the 0.05 s tick), two softplus cells.
+THREE = {
+    "name": "three",
+    "cells": [
+        {"name": "a", "arrival_rate": 2.0, "replicas": 3,
+         "service": {"model": "softplus", "base_latency": 1.0, "capacity": 4.0, "knee": 2.0,
+                     "width": 1.0}},
+        {"name": "b", "arrival_rate": 1.0, "replicas": 2,
+         "service": {"model": "softplus", "base_latency": 0.6, "capacity": 3.0, "knee": 1.0,
+                     "width": 0.5}},
+        {"name": "c", "arrival_rate": 1.5, "replicas": 2,
+         "service": {"model": "mm1", "capacity": 3.0}},
+    ],
+    "latency": [[0.0, 0.03, 0.11], [0.03, 0.0, 0.07], [0.11, 0.07, 0.0]],
+}
+
+
+def three(**changes) -> dict:
+    d = copy.deepcopy(THREE)
+    d.update(changes)
+    return d
+
+
+def two_mm1(mu1=2.0, mu2=1.0, lam=1.5, tau=0.0) -> dict:
+    """One origin (cell 0) and two M/M/1 cells (theory-notes §8 A when tau = 0).
+
+    Wardrop: z1 = (lam + mu1 - mu2)/2. Social optimum (square-root rule):
+    z_j = mu_j - sqrt(mu_j) (mu1 + mu2 - lam)/(sqrt(mu1) + sqrt(mu2)).
+    """
+    return {
+        "name": "two-mm1",
+        "cells": [
+            {"name": "fast", "arrival_rate": lam, "replicas": 2,
+             "service": {"model": "mm1", "capacity": mu1}},
+            {"name": "slow", "arrival_rate": 0.0, "replicas": 1,
+             "service": {"model": "mm1", "capacity": mu2}},
+        ],
+        "latency": [[0.0, tau], [tau, 0.0]],
+    }
+
+
+def square_root_rule(mu1, mu2, lam):
+    s = (mu1 + mu2 - lam) / (np.sqrt(mu1) + np.sqrt(mu2))
+    z = np.array([mu1 - np.sqrt(mu1) * s, mu2 - np.sqrt(mu2) * s])
+    mu = np.array([mu1, mu2])
+    return z, z / (mu - z)
+
+
+def wardrop_two(mu1, mu2, lam):
+    z1 = 0.5 * (lam + mu1 - mu2)
+    z = np.array([z1, lam - z1])
+    mu = np.array([mu1, mu2])
+    return z, z / (mu - z)
+
+
+def symmetric_pair(tau: float, lam: float = 1.0) -> dict:
+    """One origin (a zero-capacity-demand hub) sending to two identical M/M/1 cells
+    (mubar = 1) over arcs of equal one-way delay tau (theory-notes §6.1)."""
+    return {
+        "name": "symmetric-pair",
+        "cells": [
+            {"name": "origin", "arrival_rate": lam, "replicas": 1,
+             "service": {"model": "mm1", "capacity": 1.0}},
+            {"name": "left", "arrival_rate": 0.0, "replicas": 1,
+             "service": {"model": "mm1", "capacity": 1.0}},
+            {"name": "right", "arrival_rate": 0.0, "replicas": 1,
+             "service": {"model": "mm1", "capacity": 1.0}},
+        ],
+        "latency": [[None, tau, tau], [None, 0.0, None], [None, None, 0.0]],
+    }
+
+
+def random_scenario(rng: np.random.Generator, n: int, *, load=0.7, max_tau=0.2) -> dict:
+    """A random strictly feasible network: softplus and M/M/1 cells, all arcs allowed."""
+    cells = []
+    caps = rng.uniform(2.0, 6.0, n)
+    shares = rng.dirichlet(np.ones(n))
+    for j in range(n):
+        if rng.random() < 0.5:
+            L0 = rng.uniform(0.5, 1.5)
+            knee = rng.uniform(0.2, 0.8) * L0 * caps[j]
+            svc = {"model": "softplus", "base_latency": L0, "capacity": caps[j], "knee": knee,
+                   "width": rng.uniform(0.3, 2.0)}
+        else:
+            svc = {"model": "mm1", "capacity": caps[j]}
+        cells.append({"name": f"c{j}", "arrival_rate": load * caps.sum() * shares[j],
+                      "replicas": int(rng.integers(1, 6)), "service": svc})
+    tau = rng.uniform(0.0, max_tau, (n, n))
+    tau = 0.5 * (tau + tau.T)
+    np.fill_diagonal(tau, 0.0)
+    return {"name": f"random-{n}", "cells": cells, "latency": tau.tolist()}

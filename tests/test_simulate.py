@@ -1,0 +1,285 @@
+"""The delayed fluid simulator against independent references (issue: core §7).
+
+Tolerances are stated per test; `reference.py` is an independent float64 scipy
+method-of-steps implementation of the same tick model.
+"""
+
+import diffrax as dfx
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import THREE, random_scenario, square_root_rule, symmetric_pair, two_mm1, wardrop_two
+from reference import reference_simulate
+
+import dlbfluid as dl
+import dlbfluid._simulate as sim
+
+H, T = 0.05, 10.0
+ACC = dl.Accurate(rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def three():
+    return dl.scenario_from_dict(THREE)
+
+
+@pytest.mark.parametrize("policy", ["flow-grad", "flow-rif", "disc-lat", "rand"])
+def test_accurate_path_matches_scipy_reference(three, policy):
+    """Max error <= 1e-6 (observed ~1e-11) on 3 cells with unequal, non-tick-aligned delays."""
+    ref = reference_simulate(THREE, policy, step_size=0.3, tick=H, horizon=T)
+    sol = dl.simulate(three, policy, step_size=0.3, tick=H, horizon=T, n_save=200,
+                      integrator=ACC)
+    assert np.max(np.abs(np.asarray(sol.N) - ref["N"])) <= 1e-6
+    assert np.max(np.abs(np.asarray(sol.x) - ref["x"])) <= 1e-6
+    np.testing.assert_allclose(sol.departures, ref["departures"], atol=1e-6)
+    np.testing.assert_allclose(sol.arrivals, ref["arrivals"], atol=1e-6)
+
+
+def test_fast_path_matches_reference_and_is_second_order(three):
+    """Fixed-step RK4 path: error <= 1e-5 at 4 sub-steps; observed order >= 1.8 in the
+    sub-step (routing jumps inside sub-steps make it second order; fourth when aligned)."""
+    ref = reference_simulate(THREE, "flow-grad", step_size=0.3, tick=H, horizon=T)
+    errs = []
+    for M in (2, 4, 8):
+        sol = dl.simulate(three, "flow-grad", step_size=0.3, tick=H, horizon=T, n_save=200,
+                          integrator=dl.Fast(M))
+        errs.append(np.max(np.abs(np.asarray(sol.N) - ref["N"])))
+    assert errs[1] <= 1e-5
+    slope = np.polyfit(np.log([2, 4, 8]), np.log(errs), 1)[0]
+    assert slope <= -1.8, errs
+
+
+def test_accurate_error_shrinks_with_tolerance(three):
+    """With a long tick (1 s) the adaptive solver's error is visible: it falls about as
+    fast as the tolerance (log-log slope in [0.8, 1.3]) and one compilation serves all."""
+    ref = reference_simulate(THREE, "flow-lat", step_size=0.2, tick=1.0, horizon=20.0)
+    tols = [1e-5, 1e-6, 1e-7, 1e-8]
+    errs = []
+    for tol in tols:
+        sol = dl.simulate(three, "flow-lat", step_size=0.2, tick=1.0, horizon=20.0, n_save=20,
+                          integrator=dl.Accurate(rtol=tol, atol=tol))
+        errs.append(np.max(np.abs(np.asarray(sol.N) - ref["N"])))
+    slope = np.polyfit(np.log(tols), np.log(errs), 1)[0]
+    assert 0.8 <= slope <= 1.3, errs
+    assert errs[-1] < 1e-7
+
+
+def test_mass_balance_and_invariants():
+    """Arrivals at the roots minus departures = change of workload + change of in-flight
+    mass, to 1e-9 in float64; N >= 0 and every routing row on its simplex at all saves; the
+    in-flight mass agrees with an independent sum over the saved routing history."""
+    rng = np.random.default_rng(0)
+    scns = [dl.scenario_from_dict(random_scenario(rng, 3, load=0.8)) for _ in range(3)]
+    batch = dl.stack_scenarios(scns)
+    K = int(round(6.0 / H))
+    sol = dl.simulate(batch, "disc-grad", tick=H, horizon=6.0, n_save=K)
+    src = np.asarray(sol.source_arrivals).sum(-1)
+    dep = np.asarray(sol.departures).sum(-1)
+    N = np.asarray(sol.N)
+    flight = np.asarray(sol.in_flight)
+    lhs = src - dep
+    rhs = (N.sum(-1) - N[:, :1].sum(-1)) + (flight - flight[:, :1])
+    assert np.max(np.abs(lhs - rhs)) <= 1e-9
+    assert np.all(N >= 0)
+    x = np.asarray(sol.x)
+    allowed = np.asarray(batch.allowed)[:, None]
+    assert np.all(x >= 0) and np.all(x[~np.broadcast_to(allowed, x.shape)] == 0)
+    np.testing.assert_allclose(x.sum(-1), 1.0, atol=1e-12)
+    # Independent in-flight mass: sum_ij lambda_i * integral over [t - tau_ij, t] of x_ij.
+    for b, s in enumerate(scns):
+        lam = np.asarray(s.arrival_rate(0.0))
+        tau = np.asarray(s.latency)
+        xs = x[b]  # x[k] = routing on [t_k, t_{k+1}); history before 0 is x[0]
+        for k in (0, 1, 3, 40, K):
+            t = k * H
+            total = 0.0
+            for i in range(3):
+                for j in range(3):
+                    lo = t - tau[i, j]
+                    q = np.arange(int(np.floor(lo / H)) - 1, k)
+                    a = np.clip(q * H, lo, t)
+                    bnd = np.clip((q + 1) * H, lo, t)
+                    xv = xs[np.clip(q, 0, None), i, j]
+                    total += lam[i] * np.sum(xv * (bnd - a))
+            assert abs(total - flight[b, k]) <= 1e-12
+
+
+def test_zero_delays_equal_plain_diffrax_ode():
+    """With every delay zero and fixed (weighted random) routing the model is the ODE
+    dN/dt = lambda x - mu(N); agreement with one plain diffrax solve to 1e-8."""
+    d = dict(THREE, latency=[[0.0] * 3] * 3)
+    s = dl.scenario_from_dict(d)
+    sol = dl.simulate(s, "rand", tick=0.1, horizon=10.0, n_save=20, integrator=ACC)
+    lam = np.asarray(s.arrival_rate(0.0))
+    x0 = dl.weighted_random_routing(np.asarray(s.allowed), np.asarray(s.replicas))
+    inflow = jnp.asarray(lam @ x0)
+    term = dfx.ODETerm(lambda t, N, a: inflow - s.service.rate(N))
+    ts = jnp.linspace(0.0, 10.0, 21)
+    plain = dfx.diffeqsolve(term, dfx.Tsit5(), 0.0, 10.0, None, jnp.zeros(3),
+                            saveat=dfx.SaveAt(ts=ts),
+                            stepsize_controller=dfx.PIDController(rtol=1e-12, atol=1e-12),
+                            max_steps=100000)
+    np.testing.assert_allclose(sol.N, plain.ys, atol=1e-8)
+
+
+def test_flow_routing_tends_to_continuous_projected_dynamics():
+    """As h -> 0, flow routing (forward Euler of the projected dynamics) converges to the
+    continuous-time projected gradient flow; with zero delays and an interior trajectory
+    that flow is the plain ODE dx_i/dt = -eta (c_i - mean_j c_ij), solved here by diffrax.
+    Observed order in h: 1 (slope within 0.15)."""
+    d = dict(THREE, latency=[[0.0] * 3] * 3)
+    s = dl.scenario_from_dict(d)
+    eta, Tl = 0.05, 4.0
+    lam = jnp.asarray(s.arrival_rate(0.0))
+
+    def field(t, y, a):
+        N, x = y
+        c = dl.route_costs("latency", s, jnp.broadcast_to(N, (3, 3)))
+        dx = -eta * (c - c.mean(axis=1, keepdims=True))
+        return lam @ x - s.service.rate(N), dx
+
+    x0 = jnp.asarray(s.initial_routing)
+    plain = dfx.diffeqsolve(dfx.ODETerm(field), dfx.Tsit5(), 0.0, Tl, None,
+                            (jnp.zeros(3), x0), saveat=dfx.SaveAt(t1=True),
+                            stepsize_controller=dfx.PIDController(rtol=1e-12, atol=1e-12))
+    assert float(plain.ys[1].min()) > 0.05  # stays interior: the plain ODE is the limit
+    hs = np.array([0.04, 0.02, 0.01])
+    sols = dl.simulate(s, "flow-lat", step_size=eta, tick=hs, horizon=Tl, n_save=1,
+                       integrator=ACC)
+    errs = np.max(np.abs(np.asarray(sols.x[:, -1]) - np.asarray(plain.ys[1][0])), axis=(1, 2))
+    slope = np.polyfit(np.log(hs), np.log(errs), 1)[0]
+    assert abs(slope - 1.0) < 0.15, errs
+    assert errs[-1] < 1e-3
+
+
+def test_padded_batch_equals_loop_and_does_not_recompile(monkeypatch, three):
+    a, b = THREE, two_mm1(tau=0.02)
+    scns = [dl.scenario_from_dict(a), dl.scenario_from_dict(b)]
+    batch = dl.stack_scenarios(scns)
+    etas = np.array([[0.3], [0.7]])
+    sol = dl.simulate(batch, "flow-grad", step_size=etas, tick=H, horizon=5.0, n_save=50)
+    for k, s in enumerate(scns):
+        one = dl.simulate(s, "flow-grad", step_size=float(etas[k, 0]), tick=H, horizon=5.0,
+                          n_save=50)
+        n = s.n_cells
+        np.testing.assert_allclose(np.asarray(sol.N[k])[:, :n], one.N, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(sol.x[k])[:, :n, :n], one.x, atol=1e-12)
+        assert np.all(np.asarray(sol.N[k])[:, n:] == 0)
+    traces = []
+    real = sim._init_carry
+    monkeypatch.setattr(sim, "_init_carry", lambda *a, **k: traces.append(1) or real(*a, **k))
+    other = dl.stack_scenarios([dl.scenario_from_dict(two_mm1(mu1=3.0, tau=0.03)),
+                                dl.scenario_from_dict(THREE)])
+    dl.simulate(other, "flow-grad", step_size=np.array([[0.1], [0.2]]), tick=H, horizon=7.0,
+                n_save=50)
+    assert traces == []  # new values, same shapes and static options: no new trace
+
+
+def test_failure_is_a_status_not_a_crash():
+    good = dl.scenario_from_dict(THREE)
+    # Bypass validation: a NaN base latency poisons the first cell's rate from t = 0.
+    bad = eqx.tree_at(lambda s: s.service.base_latency, good, jnp.array([jnp.nan, 0.6, 1.0]))
+    batch = dl.stack_scenarios([good, bad])
+    sol = dl.simulate(batch, "flow-lat", step_size=0.3, tick=H, horizon=2.0, n_save=10)
+    assert sol.status_names().tolist() == ["success", "nonfinite"]
+    assert np.all(np.isfinite(np.asarray(sol.N)))  # frozen, never NaN
+    one = dl.simulate(good, "flow-lat", step_size=0.3, tick=H, horizon=2.0, n_save=10)
+    np.testing.assert_allclose(np.asarray(sol.N[0]), one.N, atol=1e-12)
+    with pytest.raises(dl.SimulationError, match="non-finite"):
+        dl.simulate(bad, "flow-lat", step_size=0.3, tick=H, horizon=2.0, n_save=10)
+
+
+def test_long_run_reaches_square_root_rule_and_wardrop():
+    """Two M/M/1 cells, no delay (theory-notes §8 A): flow-grad -> square-root rule and
+    flow-lat -> equal-latency Wardrop split, both to 1e-6 in N and z."""
+    s = dl.scenario_from_dict(two_mm1())
+    for pol, (z, N) in (("flow-grad", square_root_rule(2.0, 1.0, 1.5)),
+                        ("flow-lat", wardrop_two(2.0, 1.0, 1.5))):
+        sol = dl.simulate(s, pol, step_size=0.5, tick=0.1, horizon=400.0, n_save=40)
+        np.testing.assert_allclose(sol.N[-1], N, atol=1e-6)
+        zT = 1.5 * np.asarray(sol.x[-1][0])
+        np.testing.assert_allclose(zT, z, atol=1e-6)
+        assert float(sol.mean_latency(0.1)) == pytest.approx(N.sum() / 1.5, rel=1e-6)
+
+
+def test_discrete_routing_herds_while_flow_converges():
+    """One origin, two identical cells, one-way delay 1 s (theory-notes §6.1): discrete
+    routing oscillates for ever (swing of N1 - N2 about 1.6), flow routing with a step
+    below the critical 0.0336 settles at the equilibrium N* = (1, 1)."""
+    d = symmetric_pair(1.0)
+    d["initial"] = {"workload": [0.0, 0.3, 0.0]}  # break the exact symmetry
+    s = dl.scenario_from_dict(d)
+    disc = dl.simulate(s, "disc-grad", tick=0.01, horizon=300.0, n_save=300)
+    gap = np.asarray(disc.N[:, 1] - disc.N[:, 2])[-100:]
+    assert gap.max() - gap.min() > 2.0  # peak to peak of an amplitude ~1.6 oscillation
+    flow = dl.simulate(s, "flow-grad", step_size=0.01, tick=0.05, horizon=600.0, n_save=60)
+    assert float(flow.oscillation(0.2)) < 1e-3
+    np.testing.assert_allclose(np.asarray(flow.N[-1])[1:], [1.0, 1.0], atol=1e-3)
+
+
+def test_tie_rule_does_not_matter_generically(three):
+    split = dl.simulate(three, dl.DiscreteRouting("latency", tie="split"), tick=H, horizon=T,
+                        n_save=50)
+    first = dl.simulate(three, dl.DiscreteRouting("latency", tie="first"), tick=H, horizon=T,
+                        n_save=50)
+    np.testing.assert_array_equal(split.N, first.N)
+    np.testing.assert_array_equal(split.x, first.x)
+
+
+def test_float32_opt_in(three):
+    s64 = dl.simulate(three, "flow-grad", step_size=0.3, tick=H, horizon=T, n_save=20)
+    s32 = dl.simulate(three, "flow-grad", step_size=0.3, tick=H, horizon=T, n_save=20,
+                      dtype=jnp.float32)
+    assert s32.N.dtype == jnp.float32
+    np.testing.assert_allclose(s32.N, s64.N, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(tick=0.0), "tick"),
+        (dict(tick=0.03, horizon=1.0), "whole number of ticks"),
+        (dict(step_size=-1.0), "step_size"),
+        (dict(step_size=np.ones(5)), "step_size has shape"),
+        (dict(n_save=10_000), "n_save"),
+        (dict(horizon=float("nan")), "horizon"),
+    ],
+)
+def test_bad_simulation_options(three, kwargs, needle):
+    base = dict(step_size=0.1, tick=0.05, horizon=1.0, n_save=10)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=needle):
+        dl.simulate(three, "flow-grad", **base)
+    with pytest.raises(ValueError, match="allowed policies"):
+        dl.simulate(three, "flow-fast", tick=0.05, horizon=1.0)
+
+
+def test_sharded_over_two_cpu_devices(tmp_path):
+    """The batch axis is split over every device: two CPU devices give the same answer."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import json, sys, numpy as np
+        sys.path.insert(0, 'tests')
+        import jax, dlbfluid as dl
+        from helpers import THREE, two_mm1
+        assert jax.device_count() == 2, jax.devices()
+        b = dl.stack_scenarios([dl.scenario_from_dict(THREE), dl.scenario_from_dict(two_mm1()),
+                                dl.scenario_from_dict(THREE)])
+        sol = dl.simulate(b, 'flow-lat', step_size=0.2, tick=0.05, horizon=2.0, n_save=4)
+        print(json.dumps(np.asarray(sol.N).tolist()))
+        """
+    )
+    env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=str(__import__("pathlib").Path(__file__).parent.parent), check=True)
+    sharded = np.array(__import__("json").loads(out.stdout.strip().splitlines()[-1]))
+    b = dl.stack_scenarios([dl.scenario_from_dict(THREE), dl.scenario_from_dict(two_mm1()),
+                            dl.scenario_from_dict(THREE)])
+    local = dl.simulate(b, "flow-lat", step_size=0.2, tick=0.05, horizon=2.0, n_save=4)
+    np.testing.assert_allclose(sharded, local.N, atol=1e-12)
