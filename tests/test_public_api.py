@@ -1,0 +1,18 @@
+"""Pin the public import surface."""
+
+import dlbfluid
+
+EXPECTED = {
+    "Accurate", "AbstractPolicy", "DiscreteRouting", "Fast", "FlowRouting", "OverloadError",
+    "POLICY_NAMES", "STATUS", "Scenario", "ScenarioError", "ServiceModel", "SimulationError",
+    "Solution", "WeightedRandom", "arc_cost", "check_capacity", "default_scenario",
+    "destination_cost", "load_scenario", "pad_scenario", "policy_from_name", "project_simplex",
+    "route_costs", "scenario_from_dict", "scenario_to_dict", "simulate", "stack_scenarios",
+    "weighted_random_routing",
+}
+
+
+def test_public_surface():
+    public = {n for n in dir(dlbfluid) if not n.startswith("_")}
+    missing = EXPECTED - public
+    assert not missing, missing
