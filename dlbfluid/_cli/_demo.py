@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def run(args) -> int:
     eq = _equilibria(scn)
     sols, rows, records = [], [], []
     n = scn.n_cells
-    for pol in DEMO_POLICIES:
+    for k, pol in enumerate(DEMO_POLICIES):
+        print(f"[{k + 1}/{len(DEMO_POLICIES)}] simulating {pol} ...", file=sys.stderr, flush=True)
         sol = simulate(
             scn,
             pol,
