@@ -97,8 +97,7 @@ def _cumtrapz(y, t):
     return jnp.concatenate([jnp.zeros(1, y.dtype), jnp.cumsum(inc)])
 
 
-@eqx.filter_jit
-def _diagnostics(cost, scn, N_star, x_star, eta, h, t, N, x):
+def _diagnostics_impl(cost, scn, N_star, x_star, eta, h, t, N, x):
     lam = scn.arrival_rate(0.0)
     tau = jnp.where(scn.allowed, scn.latency, 0.0)
     g = arc_cost(cost, scn)
@@ -131,8 +130,18 @@ def _diagnostics(cost, scn, N_star, x_star, eta, h, t, N, x):
     return Diagnostics(t, R, Phi, gap, slack, slack_del, mismatch, tad, tad_s, excess)
 
 
-def lyapunov_diagnostics(solution, scenario: Scenario, equilibrium, *, cost: str,
-                         step_size) -> Diagnostics:
+_diagnostics = eqx.filter_jit(_diagnostics_impl)
+
+
+@eqx.filter_jit
+def batch_diagnostics(cost, scn, N_star, x_star, eta, h, t, N, x) -> Diagnostics:
+    """`Diagnostics` for a batch (leading axis on every argument but `cost`), one compile."""
+    return jax.vmap(lambda *a: _diagnostics_impl(cost, *a))(scn, N_star, x_star, eta, h, t, N, x)
+
+
+def lyapunov_diagnostics(
+    solution, scenario: Scenario, equilibrium, *, cost: str, step_size
+) -> Diagnostics:
     """Theorem-1 diagnostics along a flow-routing trajectory saved at every tick.
 
     **Arguments:**
@@ -159,9 +168,17 @@ def lyapunov_diagnostics(solution, scenario: Scenario, equilibrium, *, cost: str
     n = scenario.n_cells
     eta = jnp.broadcast_to(jnp.asarray(step_size, t.dtype), (n,))
     scn = scenario.strip()
-    return _diagnostics(cost, scn, jnp.asarray(equilibrium.N)[..., :n],
-                        jnp.asarray(equilibrium.x)[..., :n, :n], eta, jnp.asarray(h, t.dtype),
-                        t, jnp.asarray(solution.N), jnp.asarray(solution.x))
+    return _diagnostics(
+        cost,
+        scn,
+        jnp.asarray(equilibrium.N)[..., :n],
+        jnp.asarray(equilibrium.x)[..., :n, :n],
+        eta,
+        jnp.asarray(h, t.dtype),
+        t,
+        jnp.asarray(solution.N),
+        jnp.asarray(solution.x),
+    )
 
 
 def fit_theorem1(T, eta, distance):
@@ -191,5 +208,3 @@ def fit_theorem1(T, eta, distance):
 def loglog_slope(x, y) -> float:
     """Slope of $\\log y$ against $\\log x$ by least squares."""
     return float(np.polyfit(np.log(np.asarray(x, float)), np.log(np.asarray(y, float)), 1)[0])
-
-

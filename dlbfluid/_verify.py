@@ -1,0 +1,311 @@
+"""Batch verification of Theorem 1 over random scenarios (theory/lyapunov.md, *Batch*).
+
+For every scenario: solve the RIF, Wardrop and social-optimum equilibria, simulate
+flow-rif, flow-lat and flow-grad, and record convergence, the time-average distance
+$\\frac1T\\int_0^T\\sum_jD_j$, the final distance to $N^*$ and the step size relative to
+the critical one. Results are appended to a JSON-lines file chunk by chunk, so that a
+killed run resumes where it stopped without losing or duplicating a scenario.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._scenario import check_capacity, scenario_from_dict, stack_scenarios
+
+FLOW_POLICIES = (("flow-rif", "rif"), ("flow-lat", "latency"), ("flow-grad", "gradient"))
+
+
+def random_network(
+    rng: np.random.Generator,
+    n: int,
+    *,
+    load: tuple[float, float] = (0.4, 0.85),
+    residency: float = 0.15,
+    max_latency: float = 0.15,
+) -> dict:
+    """A random scenario that satisfies Assumptions 1-3 (theory/lyapunov.md, *Generator*).
+
+    * cells on the unit square; one-way latency $\\tau_{ij} = $ `max_latency` $\\times$
+      distance$/\\sqrt2$, $\\tau_{ii} = 0$;
+    * capacities $\\bar\\mu_j \\sim$ LogNormal(log 4, 0.4); half the cells M/M/1, half softplus
+      with $L_0 \\sim U[0.5, 1.5]$, knee $N_0 = u L_0\\bar\\mu$, $u \\sim U[0.1, 0.8]$ (so
+      $a_0 = L_0(1-u) > 0$: Assumptions 1 and 3 for all three costs), width $\\sim U[0.3, 2]$;
+    * replicas $\\sim$ 1 + Poisson(3);
+    * each off-diagonal arc is removed with probability `residency` (self-arcs stay, so
+      every cell keeps an in-neighbour and an allowed arc);
+    * total demand $\\rho\\sum_j\\bar\\mu_j$ with $\\rho \\sim U[\\text{load}]$, split by a
+      Dirichlet(1) draw; redrawn until Assumption 2 (strict feasibility) holds.
+    """
+    pos = rng.random((n, 2))
+    dist = np.linalg.norm(pos[:, None] - pos[None], axis=-1) / math.sqrt(2.0)
+    tau = max_latency * dist
+    keep = (rng.random((n, n)) >= residency) | np.eye(n, dtype=bool)
+    caps = np.exp(rng.normal(math.log(4.0), 0.4, n))
+    cells = []
+    for j in range(n):
+        if j % 2 == 0:
+            svc = {"model": "mm1", "capacity": float(caps[j])}
+        else:
+            L0 = rng.uniform(0.5, 1.5)
+            svc = {
+                "model": "softplus",
+                "base_latency": L0,
+                "capacity": float(caps[j]),
+                "knee": rng.uniform(0.1, 0.8) * L0 * caps[j],
+                "width": rng.uniform(0.3, 2.0),
+            }
+        cells.append(
+            {
+                "name": f"c{j}",
+                "replicas": int(1 + rng.poisson(3)),
+                "service": svc,
+                "arrival_rate": 0.0,
+            }
+        )
+    latency = [[float(tau[i, j]) if keep[i, j] else None for j in range(n)] for i in range(n)]
+    for _ in range(100):
+        rho = rng.uniform(*load)
+        lam = rho * caps.sum() * rng.dirichlet(np.ones(n))
+        for j in range(n):
+            cells[j]["arrival_rate"] = float(lam[j])
+        d = {"name": f"random-{n}", "cells": cells, "latency": latency}
+        try:
+            check_capacity(scenario_from_dict(d, allow_overload=True))
+            d["utilisation"] = float(rho)
+            return d
+        except ValueError:
+            continue
+    raise RuntimeError("could not draw a feasible demand split in 100 tries")  # pragma: no cover
+
+
+def draw_scenario(seed: int, index: int, *, n_cells=(2, 6), **kwargs) -> dict:
+    """Scenario `index` of the stream `seed`: independent of chunking and of resumption."""
+    rng = np.random.default_rng([seed, index])
+    n = int(rng.integers(n_cells[0], n_cells[1] + 1))
+    d = random_network(rng, n, **kwargs)
+    d["index"] = index
+    return d
+
+
+def _read_done(path: Path) -> dict[int, dict]:
+    """Records already written; a torn last line (killed mid-write) is dropped."""
+    done: dict[int, dict] = {}
+    if not path.exists():
+        return done
+    lines = path.read_text().splitlines()
+    good = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "index" in rec and rec["index"] not in done:
+            done[rec["index"]] = rec
+            good.append(line)
+    if len(good) != len(lines):  # rewrite without the torn or duplicated lines
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in good))
+        os.replace(tmp, path)
+    return done
+
+
+def _quantiles(v) -> dict:
+    v = np.asarray([x for x in v if x is not None and math.isfinite(x)], float)
+    if v.size == 0:
+        return {"q10": None, "q50": None, "q90": None, "max": None}
+    q = np.quantile(v, [0.1, 0.5, 0.9])
+    return {"q10": float(q[0]), "q50": float(q[1]), "q90": float(q[2]), "max": float(v.max())}
+
+
+def summarise(records: list[dict]) -> dict:
+    """Fractions converged and quantiles of each diagnostic, per policy."""
+    out: dict = {"scenarios": len(records), "policies": {}}
+    for pol, _ in FLOW_POLICIES:
+        rs = [r["policies"][pol] for r in records]
+        out["policies"][pol] = {
+            "converged_fraction": float(np.mean([r["converged"] for r in rs])) if rs else None,
+            "failed": int(sum(r["status"] != "success" for r in rs)),
+            "time_average_distance": _quantiles([r["time_average_distance"] for r in rs]),
+            "final_distance": _quantiles([r["final_distance"] for r in rs]),
+            "eta_over_eta_star": _quantiles([r["eta_over_eta_star"] for r in rs]),
+        }
+    return out
+
+
+def verify(
+    n_scenarios: int,
+    seed: int = 0,
+    *,
+    out_dir: str | Path | None = None,
+    chunk: int = 32,
+    n_cells: tuple[int, int] = (2, 6),
+    horizon: float = 200.0,
+    tick: float = 0.05,
+    step_fraction: float = 0.3,
+    conv_tol: float = 1e-3,
+    nodes: int = 8,
+    progress: bool | Callable = False,
+) -> dict:
+    """Verify Theorem 1 on `n_scenarios` random scenarios; returns the summary dict.
+
+    Each flow policy runs with $\\eta = $ `step_fraction` $\\times\\,\\eta^*$, its critical
+    step size from the pseudospectral stability analysis (`critical_step_size`), so
+    $\\eta/\\eta^* = $ `step_fraction` unless $\\eta^*$ is unavailable (then $\\eta = 0.05$ and
+    the ratio is null). A scenario has converged when
+    $\\max_j|N_j(T)-N_j^*| \\le$ `conv_tol` $\\max(1, \\max_j N_j^*)$ and its run succeeded.
+    """
+    from ._equilibrium import solve_equilibrium
+    from ._lyapunov import batch_diagnostics
+    from ._simulate import simulate
+
+    for name, v, ok in (
+        ("n_scenarios", n_scenarios, isinstance(n_scenarios, int) and n_scenarios >= 1),
+        ("chunk", chunk, isinstance(chunk, int) and chunk >= 1),
+        ("step_fraction", step_fraction, 0 < step_fraction),
+    ):
+        if not ok:
+            raise ValueError(f"{name} = {v!r} is invalid: expected a positive value")
+    K = int(round(horizon / tick))
+    if abs(K * tick - horizon) > 1e-9 * horizon:
+        raise ValueError(f"horizon = {horizon} is not a whole number of ticks of {tick}")
+    path = None
+    done: dict[int, dict] = {}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "results.jsonl"
+        done = _read_done(path)
+    todo = [i for i in range(n_scenarios) if i not in done]
+    n_pad = n_cells[1]
+    t_start = time.perf_counter()
+    report = progress if callable(progress) else (_bar if progress else None)
+    if report:
+        report(len(done), n_scenarios, t_start)
+    for c0 in range(0, len(todo), chunk):
+        idx = todo[c0 : c0 + chunk]
+        dicts = [draw_scenario(seed, i, n_cells=n_cells) for i in idx]
+        scns = [
+            scenario_from_dict({k: v for k, v in d.items() if k not in ("index", "utilisation")})
+            for d in dicts
+        ]
+        # Pad the chunk to a fixed batch and cell count: one compilation serves all chunks.
+        fill = scns + [scns[-1]] * (chunk - len(scns))
+        batch = stack_scenarios(fill, n_cells=n_pad)
+        recs = [
+            {"index": i, "n_cells": s.n_cells, "utilisation": d["utilisation"], "policies": {}}
+            for i, s, d in zip(idx, scns, dicts)
+        ]
+        for pol, cost in FLOW_POLICIES:
+            eq = solve_equilibrium(batch, cost, throw=False, check=False)
+            eta_star = _thresholds(scns, pol, nodes)
+            eta_fill = [
+                e * step_fraction if e is not None and math.isfinite(e) else 0.05 for e in eta_star
+            ]
+            eta_fill += [eta_fill[-1]] * (chunk - len(eta_fill))
+            eta = np.asarray(eta_fill)
+            sol = simulate(
+                batch,
+                pol,
+                step_size=eta[:, None],
+                tick=tick,
+                horizon=horizon,
+                n_save=K,
+                throw=False,
+            )
+            d = batch_diagnostics(
+                cost,
+                batch.strip(),
+                eq.N,
+                eq.x,
+                jnp.broadcast_to(jnp.asarray(eta)[:, None], (chunk, n_pad)),
+                jnp.full(chunk, tick),
+                sol.t,
+                sol.N,
+                sol.x,
+            )
+            tad = np.asarray(d.time_average_distance[:, -1])
+            Nf = np.asarray(sol.N[:, -1])
+            Ns = np.asarray(eq.N)
+            osc = np.asarray(sol.oscillation())
+            st = sol.status_names()
+            eqst = eq.status_names()
+            for b, rec in enumerate(recs):
+                n = rec["n_cells"]
+                dist = float(np.max(np.abs(Nf[b, :n] - Ns[b, :n])))
+                scale = max(1.0, float(np.max(Ns[b, :n])))
+                es = eta_star[b]
+                rec["policies"][pol] = {
+                    "step_size": float(eta[b]),
+                    "critical_step_size": None
+                    if es is None or not math.isfinite(es)
+                    else float(es),
+                    "eta_over_eta_star": None
+                    if es is None or not math.isfinite(es)
+                    else float(eta[b] / es),
+                    "time_average_distance": float(tad[b]),
+                    "final_distance": dist,
+                    "oscillation": float(osc[b]),
+                    "converged": bool(dist <= conv_tol * scale and st[b] == "success"),
+                    "status": str(st[b]),
+                    "equilibrium_status": str(eqst[b]),
+                    "kkt_residual": float(np.asarray(eq.kkt_residual)[b]),
+                }
+        if path is not None:
+            with open(path, "a") as fh:
+                for rec in recs:
+                    fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        for rec in recs:
+            done[rec["index"]] = rec
+        if report:
+            report(len(done), n_scenarios, t_start)
+    records = [done[i] for i in range(n_scenarios)]
+    summary = summarise(records)
+    summary.update(
+        seed=seed,
+        horizon=horizon,
+        tick=tick,
+        step_fraction=step_fraction,
+        conv_tol=conv_tol,
+        devices=[str(d) for d in jax.devices()],
+        wall_s=time.perf_counter() - t_start,
+    )
+    if out_dir is not None:
+        (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary["records"] = records
+    return summary
+
+
+def _thresholds(scns, policy: str, nodes: int) -> list:
+    try:
+        from ._stability import critical_step_size
+    except ImportError:  # pragma: no cover - stability module absent
+        return [None] * len(scns)
+    out = []
+    for s in scns:
+        try:
+            out.append(float(critical_step_size(s, policy, nodes=nodes).critical_step_size))
+        except (ValueError, RuntimeError, np.linalg.LinAlgError):
+            out.append(None)
+    return out
+
+
+def _bar(done: int, total: int, t0: float) -> None:
+    frac = done / max(total, 1)
+    el = time.perf_counter() - t0
+    sys.stderr.write(f"\rverifying [{'#' * int(30 * frac):<30}] {done}/{total}  {el:6.1f}s")
+    if done >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
