@@ -13,6 +13,11 @@ from ._costs import destination_cost as destination_cost
 from ._costs import route_costs as route_costs
 from ._errors import OverloadError as OverloadError
 from ._errors import ScenarioError as ScenarioError
+from ._lyapunov import Diagnostics as Diagnostics
+from ._lyapunov import fit_theorem1 as fit_theorem1
+from ._lyapunov import lyapunov_diagnostics as lyapunov_diagnostics
+from ._lyapunov import workload_gap as workload_gap
+from ._lyapunov import workload_potential as workload_potential
 from ._policies import POLICY_NAMES as POLICY_NAMES
 from ._policies import AbstractPolicy as AbstractPolicy
 from ._policies import DiscreteRouting as DiscreteRouting
@@ -36,5 +41,15 @@ from ._simulate import simulate as simulate
 from ._solution import STATUS as STATUS
 from ._solution import SimulationError as SimulationError
 from ._solution import Solution as Solution
+from ._stability import HerdingResult as HerdingResult
+from ._stability import StabilityResult as StabilityResult
+from ._stability import characteristic_roots as characteristic_roots
+from ._stability import critical_step_size as critical_step_size
+from ._stability import herding as herding
+from ._stability import linearise as linearise
+from ._stability import spectral_abscissa as spectral_abscissa
+from ._stability import symmetric_critical_step_size as symmetric_critical_step_size
+from ._verify import random_network as random_network
+from ._verify import verify as verify
 
 __version__ = "0.1.0"

@@ -11,8 +11,8 @@ import dlbfluid as dl
 from dlbfluid._equilibrium import solve_equilibrium
 from dlbfluid._lyapunov import (
     fit_theorem1,
-    lyapunov_diagnostics,
     loglog_slope,
+    lyapunov_diagnostics,
     workload_gap,
     workload_potential,
 )

@@ -8,7 +8,10 @@ EXPECTED = {
     "Solution", "WeightedRandom", "arc_cost", "check_capacity", "default_scenario",
     "destination_cost", "load_scenario", "pad_scenario", "policy_from_name", "project_simplex",
     "route_costs", "scenario_from_dict", "scenario_to_dict", "simulate", "stack_scenarios",
-    "weighted_random_routing",
+    "weighted_random_routing", "Diagnostics", "fit_theorem1", "lyapunov_diagnostics",
+    "workload_gap", "workload_potential", "HerdingResult", "StabilityResult",
+    "characteristic_roots", "critical_step_size", "herding", "linearise", "spectral_abscissa",
+    "symmetric_critical_step_size", "random_network", "verify",
 }
 
 

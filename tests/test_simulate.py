@@ -6,7 +6,6 @@ method-of-steps implementation of the same tick model.
 
 import diffrax as dfx
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
