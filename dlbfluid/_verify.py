@@ -208,7 +208,7 @@ def verify(
         ]
         for pol, cost in FLOW_POLICIES:
             eq = solve_equilibrium(batch, cost, throw=False, check=False)
-            eta_star = _thresholds(scns, pol, nodes)
+            eta_star = _thresholds(scns, pol, nodes, eq)
             eta_fill = [
                 e * step_fraction if e is not None and math.isfinite(e) else 0.05 for e in eta_star
             ]
@@ -288,17 +288,26 @@ def verify(
     return summary
 
 
-def _thresholds(scns, policy: str, nodes: int) -> list:
-    try:
-        from ._stability import critical_step_size
-    except ImportError:  # pragma: no cover - stability module absent
-        return [None] * len(scns)
+def _thresholds(scns, policy: str, nodes: int, eq) -> list:
+    """Critical step sizes around the batch's own equilibria (no second solve)."""
+    from types import SimpleNamespace
+
+    from ._stability import critical_step_size
+
+    N, x, ok = np.asarray(eq.N), np.asarray(eq.x), eq.status_names() == "success"
     out = []
-    for s in scns:
+    for b, s in enumerate(scns):
+        n = s.n_cells
+        if not ok[b]:
+            out.append(None)
+            continue
+        ref = SimpleNamespace(N=N[b, :n], x=x[b, :n, :n])
         try:
-            out.append(float(critical_step_size(s, policy, nodes=nodes).critical_step_size))
+            r = critical_step_size(s, policy, nodes=nodes, equilibrium=ref)
         except (ValueError, RuntimeError, np.linalg.LinAlgError):
             out.append(None)
+            continue
+        out.append(None if r.critical_step_size is None else float(r.critical_step_size))
     return out
 
 
