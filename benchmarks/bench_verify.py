@@ -1,0 +1,72 @@
+"""Scenarios verified per second by `verify` (Theorem-1 batch verification).
+
+    python benchmarks/bench_verify.py [--sizes 100 1000 10000] [--chunk 256] [--budget-s 900]
+
+Each size runs the whole pipeline (equilibria for three costs, critical step sizes, three
+flow-policy simulations with per-tick saves, diagnostics) in memory. The first, smallest
+run also pays for compilation; it is reported separately by timing a warm-up chunk first.
+There is no external peer for this pipeline; the simulate and equilibrium benchmarks
+measure the pieces against scipy and cvxpy. Prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+
+import dlbfluid  # noqa: F401  (enables float64)
+from dlbfluid._verify import verify
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--horizon", type=float, default=100.0)
+    p.add_argument("--tick", type=float, default=0.05)
+    p.add_argument("--budget-s", type=float, default=900.0,
+                   help="skip a size whose estimated time exceeds this (default 900)")
+    args = p.parse_args(argv)
+    kw = dict(chunk=args.chunk, n_cells=(2, 6), horizon=args.horizon, tick=args.tick)
+    t0 = time.perf_counter()
+    verify(args.chunk, 12345, **kw)  # warm-up: compiles every piece at this chunk shape
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    verify(args.chunk, 54321, **kw)
+    steady_chunk = time.perf_counter() - t0
+    compile_s = warm - steady_chunk
+    results = []
+    for n in args.sizes:
+        est = steady_chunk * -(-n // args.chunk)
+        if est > args.budget_s:
+            results.append({"scenarios": n, "skipped": True, "estimated_s": est})
+            print(f"{n:>6} scenarios: skipped (estimated {est:.0f} s)", file=sys.stderr)
+            continue
+        t0 = time.perf_counter()
+        res = verify(n, 1, **kw)
+        wall = time.perf_counter() - t0
+        conv = {pol: s["converged_fraction"] for pol, s in res["policies"].items()}
+        results.append({"scenarios": n, "wall_s": wall, "scenarios_per_s": n / wall,
+                        "converged_fraction": conv})
+        print(f"{n:>6} scenarios: {wall:8.1f} s  {n / wall:8.2f} scenarios/s  converged {conv}",
+              file=sys.stderr)
+    print(json.dumps({
+        "benchmark": "verify",
+        "devices": [str(d) for d in jax.devices()],
+        "backend": jax.default_backend(),
+        "dtype": "float64",
+        "chunk": args.chunk,
+        "horizon": args.horizon,
+        "tick": args.tick,
+        "compile_s": compile_s,
+        "results": results,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
