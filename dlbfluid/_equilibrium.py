@@ -7,25 +7,28 @@ $$\\Psi(x) = \\sum_j p_j(z_j) + \\sum_{(i,j)} g_{ij}\\lambda_i x_{ij}, \\qquad
 z_j = \\sum_i \\lambda_i x_{ij}, \\qquad p_j(z) = \\int_0^z f_j(\\mu_j^{-1}(s))\\,ds$$
 
 over the product of simplices restricted to allowed arcs, with $z_j < \\bar\\mu_j$
-(theory/equilibria.md §1). The solver works with the arc flows $y_{ij} = \\lambda_i x_{ij}$:
+(theory/equilibria.md §1). The solver works with the arc flows $y_{ij} = \\lambda_i x_{ij}$
+(`_solve_one`, theory/equilibria.md §3):
 
-1. an infeasible-start primal-dual interior-point method (Newton steps on the perturbed
-   KKT system, Mehrotra's centring rule, fraction-to-the-boundary steps that keep
-   $y > 0$, $s > 0$ *and* $z < \\bar\\mu$, and Armijo backtracking on a residual merit
-   function) brings the relative duality gap below `1e-10`;
-2. an active-set Newton *polish* then solves the equality KKT system on the identified
-   support exactly (theory/equilibria.md §3).
+1. an infeasible-start interior-point method (a barrier on $y \\ge 0$ weighted per
+   source, primal-dual Hessians, steps that keep $y > 0$ *and* $z < \\bar\\mu$, and a
+   backtracking line search on a primal merit function that needs only its slope)
+   brings the per-source duality gap below `1e-10`;
+2. an active-set Newton *polish* then solves the equality optimality system on the
+   identified support to rounding level.
 
 Both stages solve their Newton systems through a Schur complement in the per-source
 multipliers, a symmetric diagonally dominant M-matrix that is factored by GTH-style
 (subtraction-free) elimination, so the solve keeps its accuracy when the interior-point
 weights span many orders of magnitude. Every scenario of a batch runs the same array
-program (vmap); padded cells carry no arcs and no arrivals.
+program (vmap); padded cells carry no arcs and no arrivals. `_certify` turns the result
+into a routing, workloads and a KKT certificate (theory/equilibria.md §2).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 
 import equinox as eqx
@@ -43,16 +46,19 @@ EQ_STATUS = {"success": 0, "not_converged": 1, "nonfinite": 2}
 EQ_STATUS_NAMES = {v: k for k, v in EQ_STATUS.items()}
 EQ_STATUS_MESSAGES = {
     0: "success",
-    1: "the KKT residual did not reach `tol` within `max_iters` interior-point iterations",
+    1: "the KKT residual did not reach `tol` (interior point stopped after `max_iters` "
+    "iterations or on a failed line search)",
     2: "a non-finite value appeared",
 }
 
 # Python-side count of traces of the batched solver, per cost (tests check recompiles).
 _TRACES: collections.Counter = collections.Counter()
 
-_IPM_TOL = 1e-10  # relative duality gap and residuals at which the polish takes over
+_IPM_TOL = 1e-10  # per-source duality gap at which the polish takes over
+_IPM_FEAS = 1e-8  # relative demand residual below which a point may count as centred
 _POLISH_ITERS = 8
 _POLISH_REG = 1e-9  # proximal weight of the polish step, relative to the cell curvature
+_POLISH_DONE = 1e-14  # scaled residual at which the polish stops early
 _TINY = 1e-300
 _HUGE = 1e300
 
@@ -111,15 +117,6 @@ def inverse_rate(service: ServiceModel, z, guess=None, *, max_iter: int = 60):
     _, _, N = jax.lax.while_loop(cond, body, (jnp.asarray(0), N, step(N)))
     out = jnp.where(sp, N, mm1)
     return jnp.where(inside, out, jnp.inf)
-
-
-def _cost_and_curvature(cost: str, scn: Scenario, N):
-    """$F_j = f_j(N_j)$ and $P_j = dF_j/dz_j = f_j'(N_j)/\\mu_j'(N_j)$ (the Hessian of $p_j$)."""
-    Ne = jnp.maximum(N, 1e-300)
-    F, dF = jax.jvp(lambda M: destination_cost(cost, scn, M), (Ne,), (jnp.ones_like(Ne),))
-    P = dF / scn.service.rate_prime(Ne)
-    P = jnp.clip(jnp.where(jnp.isfinite(P), P, _HUGE), _TINY, _HUGE)
-    return F, P
 
 
 # Gauss-Legendre rule for the potentials of softplus cells (8 panels x 16 nodes).
@@ -185,7 +182,9 @@ def potential(cost: str, scn: Scenario, z, N):
 
         left = a**2 / (2.0 * L0)
         right = (a0 / beta**2) * (
-            jnp.log((a0 + beta * Nf) / (a0 + beta * b)) + a0 / (a0 + beta * Nf) - a0 / (a0 + beta * b)
+            jnp.log((a0 + beta * Nf) / (a0 + beta * b))
+            + a0 / (a0 + beta * Nf)
+            - a0 / (a0 + beta * b)
         )
         p_sp = (left + _gl_integral(fun, a, b) + right) / scn.replicas
         p_mm1 = (-z + cap * jnp.log1p(Nf)) / scn.replicas
@@ -284,11 +283,32 @@ class _Problem(eqx.Module):
     src: Bool[Array, " n"]  # real cells with demand
     cost: str = eqx.field(static=True)
 
-    def evaluate(self, y, N_guess):
-        z = jnp.sum(jnp.where(self.A, y, 0.0), axis=0)
-        N = inverse_rate(self.scn.service, z, N_guess)
-        F, P = _cost_and_curvature(self.cost, self.scn, N)
-        return z, N, F, P
+    def cells(self, N, z):
+        """Cell terms of the joint $(y, N)$ Newton system (theory/equilibria.md §3.2).
+
+        The flow balance is written $h_j(N_j, z_j) = N_j - z_j\\ell_j(N_j) = 0$ in the
+        cancellation-free form $N(\\bar\\mu - z)/\\bar\\mu - z\\,r(N)$ with $r = \\ell - \\beta N$
+        ($\\beta$ for M/M/1, $a_0 + \\beta s\\,\\mathrm{sp}((N_0-N)/s)$ for softplus), which is
+        affine in $N$ for M/M/1 cells and nearly so for softplus cells. Returns $F = f(N)$,
+        the residual $h$, $\\partial h/\\partial N$, $\\ell$ ($= -\\partial h/\\partial z$) and
+        $f'(N)$.
+        """
+        svc = self.scn.service
+        cap = svc.capacity
+        beta = 1.0 / cap
+        sp = svc.model == SOFTPLUS
+        v = (svc.knee - N) / svc.width
+        a0 = svc.base_latency - beta * svc.knee
+        rest = jnp.where(sp, a0 + beta * svc.width * jax.nn.softplus(v), beta)
+        drest = jnp.where(sp, -beta * jax.nn.sigmoid(v), 0.0)
+        ell = beta * N + rest
+        h = N * (cap - z) / cap - z * rest
+        hN = (cap - z) / cap - z * drest
+        Ne = jnp.maximum(N, 1e-300)
+        F, dF = jax.jvp(
+            lambda M: destination_cost(self.cost, self.scn, M), (Ne,), (jnp.ones_like(Ne),)
+        )
+        return F, h, hN, ell, dF
 
 
 def _make_problem(scn: Scenario, lam, cost: str) -> _Problem:
@@ -296,8 +316,8 @@ def _make_problem(scn: Scenario, lam, cost: str) -> _Problem:
     arcs = scn.allowed & mask[:, None] & mask[None, :]
     lam = jnp.where(mask, lam, 0.0)
     src = mask & (lam > 0)
-    return _Problem(scn=scn, lam=lam, g=arc_cost(cost, scn), A=arcs & src[:, None], arcs=arcs,
-                    src=src, cost=cost)
+    A = arcs & src[:, None]
+    return _Problem(scn=scn, lam=lam, g=arc_cost(cost, scn), A=A, arcs=arcs, src=src, cost=cost)
 
 
 def _certify(pb: _Problem, y, N_guess):
@@ -307,7 +327,9 @@ def _certify(pb: _Problem, y, N_guess):
     routes to its cheapest allowed cell. With $c_i = \\sum_j x_{ij}c_{ij}$ (the multiplier
     estimate) and `used` $= x_{ij} > 0$:
 
-    * `flow_residual` $= \\max(\\max_j|\\mu_j(N_j) - z_j|, \\max_i \\lambda_i|\\sum_j x_{ij} - 1|)/\\Lambda$;
+    * `flow_residual` $= \\max(\\max_j|\\mu_j(N_j) - z_j|, \\max_i|\\sum_j y_{ij} - \\lambda_i|)/\\Lambda$
+      with $z_j = \\sum_i y_{ij}$ (so a non-converged iterate is reported inside the
+      capacity domain, with its demand mismatch here);
     * `slackness_max_used` $= \\max_{\\text{used}}(c_{ij} - c_i)$ (0 at an equilibrium);
     * `slackness_min_allowed` $= \\min_{\\text{allowed}}(c_{ij} - c_i)$ (0 at an equilibrium);
     * `duality_gap` $= \\sum_{ij}\\lambda_i x_{ij}(c_{ij} - \\min_k c_{ik}) \\ge \\Psi(x) - \\Psi^*$;
@@ -318,7 +340,9 @@ def _certify(pb: _Problem, y, N_guess):
     yA = jnp.where(A, jnp.maximum(y, 0.0), 0.0)
     row = jnp.sum(yA, axis=1, keepdims=True)
     xd = jnp.where(A & (row > 0), yA / jnp.where(row > 0, row, 1.0), 0.0)
-    z = jnp.sum(lam[:, None] * xd, axis=0)
+    # z is the flow the iterate carries (always inside the capacity domain); the mismatch
+    # between its rows and the demand is part of the flow residual.
+    z = jnp.sum(yA, axis=0)
     N = inverse_rate(scn.service, z, N_guess)
     F = destination_cost(pb.cost, scn, N)
     c = jnp.where(pb.arcs, F[None, :] + pb.g, jnp.inf)
@@ -340,7 +364,7 @@ def _certify(pb: _Problem, y, N_guess):
     Lam_s = jnp.where(Lam > 0, Lam, 1.0)
     mu = scn.service.rate(jnp.where(jnp.isfinite(N), N, 0.0))
     flow = jnp.max(jnp.where(scn.cell_mask, jnp.abs(mu - z), 0.0))
-    simplex = jnp.max(jnp.where(src, lam * jnp.abs(jnp.sum(x, axis=1) - 1.0), 0.0))
+    simplex = jnp.max(jnp.where(src, jnp.abs(row[:, 0] - lam), 0.0))
     flow_res = jnp.maximum(flow, simplex) / Lam_s
     cbar = jnp.max(jnp.where(src, jnp.abs(ci), 0.0))
     cbar = jnp.where(cbar > 0, cbar, 1.0)
@@ -361,200 +385,269 @@ def _certify(pb: _Problem, y, N_guess):
     )
     kkt = jnp.where(ok, kkt, jnp.inf)
     return dict(
-        x=x, z=z, N=Nm, multipliers=ci, objective=objective, social_cost=social,
-        mean_latency=social / Lam_s, kkt_residual=kkt, flow_residual=flow_res,
-        slackness_max_used=max_used, slackness_min_allowed=min_allowed,
-        duality_gap=dual_gap, finite=ok,
+        x=x,
+        z=z,
+        N=Nm,
+        multipliers=ci,
+        objective=objective,
+        social_cost=social,
+        mean_latency=social / Lam_s,
+        kkt_residual=kkt,
+        flow_residual=flow_res,
+        slackness_max_used=max_used,
+        slackness_min_allowed=min_allowed,
+        duality_gap=dual_gap,
+        finite=ok,
     )
 
 
-def _ipm(pb: _Problem, max_iters):
-    """Infeasible-start primal-dual interior point on the arc flows (theory/equilibria.md §3.1).
+def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
+    """Interior point, then polish, in one loop (theory/equilibria.md §3).
 
-    Unknowns $y_{ij} > 0$ (arcs of `A`), slacks $s_{ij} > 0$, multipliers $\\nu_i$; residuals
-    $r^d = F_j + g_{ij} - \\nu_i - s_{ij}$, $r^p_i = \\sum_j y_{ij} - \\lambda_i$,
-    $r^c = y s - \\sigma\\mu$. Each iteration: affine direction, $\\sigma = (\\mu_{aff}/\\mu)^3$,
-    Newton direction for the target $\\sigma\\mu$, a step of at most 0.995 of the distance to
-    the boundary of $y \\ge 0$, $s \\ge 0$ and $z \\le \\bar\\mu$, then Armijo backtracking on
-    $\\|r^d/\\bar c\\|^2 + \\|r^p/\\bar\\lambda\\|^2 + \\|r^c/(\\bar c\\bar\\lambda)\\|^2$, for which the
-    Newton direction is always a descent direction. Iterates never leave $z < \\bar\\mu$.
+    **Stage 1, interior point** (`phase = 0`): a primal barrier method with primal-dual
+    Hessians. For a barrier weight $\\tau$ it minimises
+    $\\phi_\\tau(y) = \\Psi(y) - \\tau\\sum_{(i,j)\\in A} w_{ij}\\ln y_{ij}$ subject to
+    $\\sum_j y_{ij} = \\lambda_i$, with weights $w_{ij} = \\lambda_i\\bar c_i$ (demand times the
+    cost level $\\bar c_i = \\min_j c_{ij}$ of the source, so that every source approaches its
+    support at the same relative rate). The workloads are always exact, $N = \\mu^{-1}(z)$,
+    so $F_j(z_j)$ is itself a barrier at $z_j \\to \\bar\\mu_j$. Each iteration solves the
+    Newton system $(\\nabla^2\\Psi + SY^{-1})\\Delta y - R^T\\Delta\\nu = -(\\nabla\\phi_\\tau -
+    R^T\\nu)$, $R\\Delta y = -r^p$ (`_newton_direction` with $E = y/s$, where the dual estimate
+    $s = \\tau' w/y$ uses the barrier weight $\\tau'$ of the previous iteration, so that the
+    first step after $\\tau$ shrinks moves $y_{ij} \\to \\tau w_{ij}/s_{ij}$ on inactive arcs in
+    one go). For any $s > 0$ this is a descent direction of the merit
+    $\\psi(\\alpha) = \\phi_\\tau(y + \\alpha\\Delta y) + \\rho(1-\\alpha)\\|r^p\\|_1$,
+    $\\rho > \\|\\nu + \\Delta\\nu\\|_\\infty$; the step is at most 0.995 of the way to the boundary of
+    $y \\ge 0$ and $z \\le \\bar\\mu$ and halves until the trapezoid estimate of the decrease of
+    $\\psi$ (from its slope alone, so no potential values are needed) passes Armijo's test.
+    When the point is feasible and centred (Newton decrement $\\le 1/4$), $\\tau$ shrinks 10x
+    (100x after a full, well-centred step); the stage ends when the per-source duality gap
+    $\\tau\\deg(i)$ is below `_IPM_TOL`, or the line search fails, or after `max_iters`.
+
+    **Stage 2, polish** (`phase = 1`, at most `_POLISH_ITERS` iterations, fewer once the
+    scaled residual is below `_POLISH_DONE`): the support is the set
+    of arcs with $y_{ij}/\\lambda_i \\ge s_{ij}/\\bar c_i$. Newton steps on the equality system
+    $f_j(N_j) + g_{ij} = \\nu_i$ (support), $\\sum_j y_{ij} = \\lambda_i$, $h_j(N_j, z_j) = 0$
+    (the flow balance in the form of `_Problem.cells`, so no inverse is needed), through
+    the same Schur system with $E_{ij} = 1/(\\epsilon\\tilde P_j)$ (a proximal term that
+    only selects among equivalent flows on cycles of the support). Small flows that a step
+    would drive negative leave the support without a step; otherwise a ratio test drops
+    the first arc to reach zero; arcs with a clearly negative reduced cost join. The best
+    point seen (smallest scaled residual) is kept.
     """
-    scn, lam, A, src, g = pb.scn, pb.lam, pb.A, pb.src, pb.g
+    pb = _make_problem(scn, lam, cost)
+    A, src, g = pb.A, pb.src, pb.g
+    lam = pb.lam
     cap = scn.service.capacity
-    dtype = lam.dtype
-    m = jnp.maximum(jnp.sum(A), 1).astype(dtype)
-    Lam = jnp.maximum(jnp.sum(lam), _TINY)
-    ls = jnp.maximum(jnp.max(lam), _TINY)
+    lsrc = jnp.where(src, lam, 1.0)
+    idx = jnp.arange(lam.shape[0])
+    deg = jnp.max(jnp.sum(A, axis=1))
+
+    def levels(c):
+        cs = jnp.maximum(jnp.max(jnp.where(A, c, 0.0)), _TINY)
+        cbar = jnp.where(src, jnp.min(jnp.where(A, c, jnp.inf), axis=1), 1.0)
+        return jnp.maximum(cbar, 1e-12 * cs), cs
 
     # Start: capacity-weighted routing, scaled so that every cell is at most half full.
     w0 = jnp.where(A, cap[None, :], 0.0)
     x0 = w0 / jnp.maximum(jnp.sum(w0, axis=1, keepdims=True), _TINY)
     z0 = jnp.sum(lam[:, None] * x0, axis=0)
-    t0 = jnp.minimum(1.0, 0.5 * jnp.min(jnp.where(z0 > 0, cap / jnp.where(z0 > 0, z0, 1.0),
-                                                     jnp.inf)))
-    y = t0 * lam[:, None] * x0
-    z, N, F, P = pb.evaluate(y, None)
-    c = F[None, :] + g
-    cs0 = jnp.maximum(jnp.max(jnp.where(A, c, 0.0)), _TINY)
-    nu = jnp.where(src, jnp.min(jnp.where(A, c, jnp.inf), axis=1) - cs0, 0.0)
-    s = jnp.where(A, c - nu[:, None], 1.0)
-
-    def residuals(y, s, nu, N):
-        z, N, F, P = pb.evaluate(y, N)
-        c = F[None, :] + g
-        rd = jnp.where(A, c - nu[:, None] - s, 0.0)
-        rp = jnp.where(src, jnp.sum(jnp.where(A, y, 0.0), axis=1) - lam, 0.0)
-        return z, N, F, P, c, rd, rp
-
-    def merit(rd, rp, rc, cs):
-        val = (
-            jnp.sum((rd / cs) ** 2) + jnp.sum((rp / ls) ** 2) + jnp.sum((rc / (cs * ls)) ** 2)
-        )
-        return jnp.where(jnp.isfinite(val), val, jnp.inf)
+    ratio = jnp.where(z0 > 0, cap / jnp.where(z0 > 0, z0, 1.0), jnp.inf)
+    t0 = jnp.minimum(1.0, 0.5 * jnp.min(ratio))
+    y0 = jnp.where(A, t0 * lam[:, None] * x0, 0.0)
+    zero_n = jnp.zeros_like(lam)
+    # Stage 1 keeps N exact: here, then through the line search (which returns the
+    # workloads of the accepted point).
+    N0 = jnp.where(jnp.any(A, axis=0), inverse_rate(scn.service, jnp.sum(y0, axis=0)), 0.0)
+    st0 = dict(
+        y=y0,
+        s=jnp.zeros_like(y0),
+        nu=zero_n,
+        N=N0,
+        w=jnp.zeros_like(y0),
+        tau=jnp.asarray(1.0, lam.dtype),
+        it=jnp.asarray(0),
+        phase=jnp.asarray(0),
+        pol=jnp.asarray(0),
+        act=A,
+        best_y=y0,
+        best_N=zero_n,
+        best_m=jnp.asarray(jnp.inf, lam.dtype),
+        fresh=jnp.asarray(True),
+        converged=jnp.asarray(False),
+    )
 
     def cond(st):
-        return (~st["done"]) & (st["it"] < max_iters)
+        # One more pass than there are polish steps: the last pass only scores its point.
+        # Under vmap the loop runs until every scenario is done: a scenario whose polish
+        # has reached rounding level stops early.
+        return (st["pol"] <= _POLISH_ITERS) & (st["best_m"] > _POLISH_DONE)
 
     def body(st):
-        y, s, nu, N = st["y"], st["s"], st["nu"], st["N"]
-        z, N, F, P, c, rd, rp = residuals(y, s, nu, N)
-        cs = jnp.maximum(jnp.max(jnp.where(A, c, 0.0)), _TINY)
-        ys = jnp.where(A, y * s, 0.0)
-        mu = jnp.sum(ys) / m
-        conv = (
-            (jnp.sum(ys) <= _IPM_TOL * cs * Lam)
-            & (jnp.max(jnp.abs(rd)) <= _IPM_TOL * cs)
-            & (jnp.max(jnp.abs(rp)) <= _IPM_TOL * Lam)
-        )
+        y, s, nu, N, w, tau = st["y"], st["s"], st["nu"], st["N"], st["w"], st["tau"]
+        ipm = st["phase"] == 0
+        z = jnp.sum(jnp.where(A, y, 0.0), axis=0)
+        # Stage 1 keeps N exact; stage 2 carries N as an unknown of the joint system
+        # (cells left without active arcs have z = 0 and so N = 0 exactly).
+        act = jnp.where(ipm, A, st["act"])
+        fed = jnp.any(act, axis=0)
+        N = jnp.where(fed, N, 0.0)
+        Fc, h, hN, ell, dF = pb.cells(N, z)
+        c = Fc[None, :] + g
+        cbar, cs = levels(c)
+        # First iteration: weights and dual estimates from the starting point.
+        w = jnp.where(st["fresh"], jnp.where(A, (lsrc * cbar)[:, None], 0.0), w)
         ysafe = jnp.where(A, y, 1.0)
-        E = jnp.where(A, y / jnp.where(A, s, 1.0), 0.0)
-        # Predictor (affine-scaling) direction: target complementarity 0.
-        dy, dnu = _newton_direction(E, rd + jnp.where(A, s, 0.0), rp, P, src)
-        ds = jnp.where(A, -s - s * dy / ysafe, 0.0)
+        s = jnp.where(st["fresh"], jnp.where(A, tau * w / ysafe, 0.0), s)
+        red = c - nu[:, None]
+        act = act | (~ipm & A & (red < -1e-9 * cbar[:, None]))
+        bw = jnp.where(A, tau * w, 0.0)
+        rp = jnp.where(src, jnp.sum(jnp.where(act, y, 0.0), axis=1) - lam, 0.0)
+        Pt = jnp.clip(dF * ell / jnp.maximum(hN, _TINY), _TINY, _HUGE)
+        Pmax = jnp.max(jnp.where(fed, Pt, 0.0))
+        E = jnp.where(
+            ipm,
+            jnp.where(A, ysafe / jnp.where(A, s, 1.0), 0.0),
+            # (the proximal weight uses the curvature floored at 1e-6 of the largest, so
+            # that a nearly flat cell, e.g. one of huge capacity, does not make E explode)
+            jnp.where(act, 1.0 / (_POLISH_REG * jnp.maximum(Pt, 1e-6 * Pmax)[None, :]), 0.0),
+        )
+        q = jnp.where(ipm, jnp.where(A, red - bw / ysafe, 0.0), jnp.where(act, red, 0.0))
+        shift = jnp.where(fed & ~ipm, -dF * h / jnp.maximum(hN, _TINY), 0.0)
+        dy, dnu = _newton_direction(E, q + jnp.where(A, shift[None, :], 0.0), rp, Pt, src)
         dz = jnp.sum(dy, axis=0)
-        a_aff = jnp.minimum(
+        dN = jnp.where(fed, (ell * dz - h) / jnp.maximum(hN, _TINY), 0.0)
+        nun = nu + dnu
+
+        # ---- stage 1: barrier step with a slope-only backtracking line search ----
+        dec = jnp.sum(jnp.where(A, dy**2 / jnp.where(A, E, 1.0), 0.0)) + jnp.sum(Pt * dz**2)
+        dec = dec / (tau * jnp.sum(w) + _TINY)
+        amax = jnp.minimum(
             1.0,
-            jnp.minimum(
-                jnp.minimum(_step_to_boundary(y, dy, A), _step_to_boundary(s, ds, A)),
-                _step_to_boundary(cap - z, -dz, scn.cell_mask),
+            0.995 * jnp.minimum(_step_to_boundary(y, dy, A), _step_to_boundary(cap - z, -dz, fed)),
+        )
+        rho = 2.0 * jnp.max(jnp.where(src, jnp.abs(nun), 0.0)) + cs
+        rp1 = jnp.sum(jnp.abs(rp))
+        d0 = jnp.minimum(jnp.sum(jnp.where(A, (c - bw / ysafe) * dy, 0.0)) - rho * rp1, 0.0)
+        # Armijo through the trapezoid rule, with room for the rounding error of the slope
+        # (near the barrier minimiser the slope is at the level of its own rounding).
+        noise = 1e-12 * jnp.sum(jnp.where(A, jnp.abs(c * dy) + jnp.abs(bw / ysafe * dy), 0.0))
+        thresh = -(1.0 - 4e-4) * d0 + noise
+        # No descent left above the rounding level: the barrier problem is solved, so the
+        # step is skipped and the point counts as centred.
+        flat = d0 >= -noise
+
+        def bt_cond(cr):
+            # Under vmap the loop runs while any scenario needs it: scenarios in stage 2
+            # must not keep it going.
+            _, da, _, _, k = cr
+            return ipm & ~flat & (da > thresh) & (k < 30)
+
+        # First-order prediction of the workloads along the step (warm start of the
+        # inverse): dN = dz / mu'(N) on the flow balance.
+        dN_lin = jnp.where(fed, ell * dz / jnp.maximum(hN, _TINY), 0.0)
+
+        def bt_body(cr):
+            a, _, _, _, k = cr
+            a = jnp.where(k == 0, amax, 0.5 * a)
+            yt = jnp.where(A, y + a * dy, 1.0)
+            zt = jnp.sum(jnp.where(A, yt, 0.0), axis=0)
+            Nt = jnp.where(fed, inverse_rate(scn.service, zt, N + a * dN_lin), 0.0)
+            ct = destination_cost(pb.cost, scn, Nt)[None, :] + g
+            da = jnp.sum(jnp.where(A, (ct - bw / yt) * dy, 0.0)) - rho * rp1
+            return a, jnp.where(jnp.isfinite(da), da, jnp.inf), Nt, ct, k + 1
+
+        a, da, Nt, ct, _ = jax.lax.while_loop(
+            bt_cond, bt_body, (amax, jnp.asarray(jnp.inf, lam.dtype), N, c, jnp.asarray(0))
+        )
+        good = (da <= thresh) & ~flat
+        y1 = jnp.where(good, jnp.where(A, y + a * dy, 0.0), y)
+        N1 = jnp.where(good, Nt, N)
+        rp_new = jnp.where(good, (1.0 - a) * rp, rp)
+        centred = (jnp.max(jnp.abs(rp_new) / lsrc) <= _IPM_FEAS) & ((dec <= 0.25) | flat)
+        conv = centred & (tau * deg <= _IPM_TOL)
+        shrink = jnp.where((a >= 0.999) & (dec <= 1e-2), 0.01, 0.1)
+        lower = centred & ~conv
+        tau1 = jnp.where(lower, tau * shrink, tau)
+        cbar1, _ = levels(jnp.where(good, ct, c))
+        w1 = jnp.where(lower, jnp.where(A, (lsrc * cbar1)[:, None], 0.0), w)
+        y1s = jnp.where(A, y1, 1.0)
+        s1 = jnp.where(A, tau * w1 / y1s, 0.0)
+        end_ipm = conv | ~(good | flat) | (st["it"] + 1 >= max_iters)
+        # Support for stage 2: y_ij / lambda_i against s_ij / cbar_i, plus the largest arc
+        # of every source; everything else is switched off.
+        sup = A & (y1 / lsrc[:, None] >= (tau1 * w1 / y1s) / cbar1[:, None])
+        top = jnp.argmax(jnp.where(A, y1, -jnp.inf), axis=1)
+        sup = sup | ((idx[None, :] == top[:, None]) & A)
+
+        # ---- stage 2: active-set Newton step ----
+        # Scaled residual of the current point, to keep the best one.
+        m_cur = jnp.maximum(
+            jnp.maximum(
+                jnp.max(jnp.abs(jnp.where(act, red, 0.0)) / cbar[:, None]),
+                jnp.max(jnp.abs(rp) / lsrc),
+            ),
+            jnp.maximum(
+                jnp.max(jnp.where(fed, jnp.abs(h) / (N + z * ell + _TINY), 0.0)),
+                jnp.max(jnp.where(A & ~act, -red / cbar[:, None], 0.0)),
             ),
         )
-        mu_aff = jnp.sum(jnp.where(A, (y + a_aff * dy) * (s + a_aff * ds), 0.0)) / m
-        sigma = jnp.clip((mu_aff / jnp.maximum(mu, _TINY)) ** 3, 0.0, 1.0)
-        target = sigma * mu
-        # Newton direction for the centred target (no second-order term, so that it is an
-        # exact Newton direction and a descent direction of the merit function).
-        rc = jnp.where(A, ys - target, 0.0)
-        dy, dnu = _newton_direction(E, rd + jnp.where(A, rc / ysafe, 0.0), rp, P, src)
-        ds = jnp.where(A, -(rc + s * dy) / ysafe, 0.0)
-        dz = jnp.sum(dy, axis=0)
-        amax = 0.995 * jnp.minimum(
-            jnp.minimum(_step_to_boundary(y, dy, A), _step_to_boundary(s, ds, A)),
-            _step_to_boundary(cap - z, -dz, scn.cell_mask),
+        better = ~ipm & (m_cur < st["best_m"])
+        neg = act & (y + dy < 0.0)
+        small = neg & (y <= 1e-4 * lsrc[:, None])
+        drop = jnp.any(small)
+        a_dom = 0.9 * jnp.minimum(
+            _step_to_boundary(cap - z, -dz, fed), _step_to_boundary(N, dN, fed)
         )
-        a = jnp.minimum(1.0, amax)
-        m0 = merit(rd, rp, rc, cs)
-
-        def trial(a):
-            yt, st_, nut = y + a * dy, s + a * ds, nu + a * dnu
-            _, Nt, _, _, _, rdt, rpt = residuals(yt, st_, nut, N)
-            rct = jnp.where(A, yt * st_ - target, 0.0)
-            return merit(rdt, rpt, rct, cs), Nt
-
-        mt, Nt = trial(a)
-
-        def bt_cond(c):
-            a, mt, _, k = c
-            return (mt > (1.0 - 2e-4 * a) * m0) & (k < 60)
-
-        def bt_body(c):
-            a, _, _, k = c
-            a = 0.5 * a
-            mt, Nt = trial(a)
-            return a, mt, Nt, k + 1
-
-        a, mt, Nt, _ = jax.lax.while_loop(bt_cond, bt_body, (a, mt, Nt, jnp.asarray(0)))
-        ok = jnp.isfinite(mt) & (mt <= (1.0 - 2e-4 * a) * m0) & ~conv
-        new = dict(
-            y=jnp.where(ok, y + a * dy, y),
-            s=jnp.where(ok, s + a * ds, s),
-            nu=jnp.where(ok, nu + a * dnu, nu),
-            N=jnp.where(ok, Nt, N),
-            it=st["it"] + jnp.where(conv, 0, 1),
-            # A failed line search means no further progress is possible: stop.
-            done=conv | ~(jnp.isfinite(mt) & (mt <= (1.0 - 2e-4 * a) * m0)),
-            converged=conv,
+        a2 = jnp.where(
+            drop, 0.0, jnp.minimum(1.0, jnp.minimum(_step_to_boundary(y, dy, act), a_dom))
         )
-        return new
+        y2 = jnp.where(act & ~small, y + a2 * dy, 0.0)
+        act2 = act & ~small & (y2 > 0.0)
+        y2 = jnp.where(act2, y2, 0.0)
 
-    st0 = dict(y=y, s=s, nu=nu, N=N, it=jnp.asarray(0), done=jnp.asarray(False),
-               converged=jnp.asarray(False))
+        def pick(a1, a2):
+            return jnp.where(ipm, a1, a2)
+
+        return dict(
+            y=pick(jnp.where(end_ipm, jnp.where(sup, y1, 0.0), y1), y2),
+            s=pick(s1, s),
+            nu=pick(jnp.where(good, nun, nu), nu + a2 * dnu),
+            N=pick(N1, jnp.where(fed, N + a2 * dN, 0.0)),
+            w=pick(w1, w),
+            tau=pick(tau1, tau),
+            it=st["it"] + ipm.astype(st["it"].dtype),
+            phase=jnp.where(ipm & end_ipm, 1, st["phase"]),
+            pol=st["pol"] + (~ipm).astype(st["pol"].dtype),
+            act=pick(sup, act2),
+            best_y=jnp.where(better, y, st["best_y"]),
+            best_N=jnp.where(better, N, st["best_N"]),
+            best_m=jnp.where(better, m_cur, st["best_m"]),
+            fresh=jnp.asarray(False),
+            converged=st["converged"] | (ipm & conv),
+        )
+
     st = jax.lax.while_loop(cond, body, st0)
-    return st
-
-
-def _polish(pb: _Problem, y, s, nu, N):
-    """Active-set Newton on the equality KKT system of the identified support
-    (theory/equilibria.md §3.3): on active arcs $F_j(z_j) + g_{ij} = \\nu_i$, flows conserve
-    demand, inactive arcs carry nothing. Each step solves the same Schur system as the
-    interior point with weights $E_{ij} = 1/(\\epsilon P_j)$ (a proximal term that only
-    selects among equivalent flows on cycles of the support). Arcs whose flow would turn
-    negative leave the support; arcs with a clearly negative reduced cost join it."""
-    scn, lam, A, src, g = pb.scn, pb.lam, pb.A, pb.src, pb.g
-    cap = scn.service.capacity
-    cs = jnp.maximum(jnp.max(jnp.where(A, jnp.abs(nu[:, None]), 0.0)), _TINY)
-    lsrc = jnp.where(src, lam, 1.0)
-    act = A & (y / lsrc[:, None] >= s / cs)
-    # Every source with demand keeps at least its largest arc.
-    top = jnp.argmax(jnp.where(A, y, -jnp.inf), axis=1)
-    act = act | ((jnp.arange(lam.shape[0])[None, :] == top[:, None]) & A)
-    y = jnp.where(act, y, 0.0)
-
-    def body(_, c):
-        y, nu, N, act = c
-        z, N, F, P = pb.evaluate(y, N)
-        cst = F[None, :] + g
-        red = cst - nu[:, None]
-        csc = jnp.maximum(jnp.max(jnp.where(A, jnp.abs(cst), 0.0)), _TINY)
-        act = act | (A & (red < -1e-9 * csc))
-        rd = jnp.where(act, red, 0.0)
-        rp = jnp.where(src, jnp.sum(jnp.where(act, y, 0.0), axis=1) - lam, 0.0)
-        E = jnp.where(act, 1.0 / (_POLISH_REG * P[None, :]), 0.0)
-        dy, dnu = _newton_direction(E, rd, rp, P, src)
-        dz = jnp.sum(dy, axis=0)
-        a = jnp.minimum(1.0, 0.9 * _step_to_boundary(cap - z, -dz, scn.cell_mask))
-        yn = jnp.where(act, y + a * dy, 0.0)
-        neg = act & (yn <= 0.0)
-        act = act & ~neg
-        yn = jnp.where(act, yn, 0.0)
-        return yn, nu + a * dnu, N, act
-
-    return jax.lax.fori_loop(0, _POLISH_ITERS, body, (y, nu, N, act))
-
-
-def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
-    pb = _make_problem(scn, lam, cost)
-    st = _ipm(pb, max_iters)
-    cert_ipm = _certify(pb, st["y"], st["N"])
-    yp, _, Np, _ = _polish(pb, st["y"], st["s"], st["nu"], st["N"])
-    cert_pol = _certify(pb, yp, Np)
-    better = cert_pol["kkt_residual"] <= cert_ipm["kkt_residual"]
-    cert = jax.tree_util.tree_map(lambda a, b: jnp.where(better, a, b), cert_pol, cert_ipm)
+    cert = _certify(pb, st["best_y"], st["best_N"])
+    cert["iterations"] = st["it"] + st["pol"]
+    # success: certified; not_converged: the interior point stopped early (iteration cap
+    # or failed line search) or the certificate is above tol; nonfinite: a converged run
+    # that still produced a non-finite value.
     status = jnp.where(
-        ~cert["finite"],
-        EQ_STATUS["nonfinite"],
-        jnp.where(cert["kkt_residual"] <= tol, EQ_STATUS["success"], EQ_STATUS["not_converged"]),
+        cert["kkt_residual"] <= tol,
+        EQ_STATUS["success"],
+        jnp.where(
+            ~cert["finite"] & st["converged"], EQ_STATUS["nonfinite"], EQ_STATUS["not_converged"]
+        ),
     )
     cert.pop("finite")
-    cert["iterations"] = st["it"] + _POLISH_ITERS
     cert["status"] = status
     return cert
 
 
 @eqx.filter_jit
-def _solve_batch(scn, time, tol, max_iters, *, cost):
+def _solve_batch(scn, lam, tol, max_iters, *, cost):
     _TRACES[cost] += 1
-    lam = jax.vmap(lambda s: s.arrival_rate(time))(scn)
     return jax.vmap(lambda s, l: _solve_one(s, l, tol, max_iters, cost=cost))(scn, lam)
 
 
@@ -637,17 +730,23 @@ class EquilibriumSolution(eqx.Module):
 
 
 def _bucket(n: int) -> int:
-    """Pad unbatched scenarios to a few sizes so that they share compiled solvers."""
+    """Cell count an unbatched scenario is padded to (4, 8, 16, ...): scenarios of nearby
+    sizes share one compiled solver."""
     b = 4
     while b < n:
         b *= 2
     return b
 
 
+def _batch_bucket(B: int, ndev: int) -> int:
+    """Batch size a batch is padded to: 8 up to 8 scenarios, then a multiple of 64, and
+    always a multiple of the device count (the batch axis is sharded over devices)."""
+    b = 8 if B <= 8 else -(-B // 64) * 64
+    return -(-b // ndev) * ndev
+
+
 def _constant_copy(scn: Scenario, lam: np.ndarray) -> Scenario:
     """The same network with constant arrival rates `lam` (for the capacity check)."""
-    import dataclasses
-
     lamj = jnp.asarray(lam)[:, None]
     return dataclasses.replace(scn, arrival_times=jnp.zeros_like(lamj), arrival_rates=lamj)
 
@@ -686,8 +785,11 @@ def _check_overload(scn: Scenario, time: float) -> None:
         except OverloadError as e:
             if batched:
                 raise OverloadError(
-                    f"scenario {b} of the batch: {e}", cells=e.cells, sources=e.sources,
-                    demand=e.demand, capacity=e.capacity,
+                    f"scenario {b} of the batch: {e}",
+                    cells=e.cells,
+                    sources=e.sources,
+                    demand=e.demand,
+                    capacity=e.capacity,
                 ) from None
             raise
 
@@ -714,7 +816,8 @@ def solve_equilibrium(
     - `scenario`: a `Scenario`, or a batch from `stack_scenarios` (leading axis `B`).
     - `cost`: `"rif"`, `"latency"` or `"gradient"`.
     - `tol`: KKT residual below which a scenario reports `success`.
-    - `max_iters`: interior-point iteration cap (a polish of 8 Newton steps follows).
+    - `max_iters`: interior-point iteration cap (a polish of at most 8 Newton steps
+      follows).
     - `time`: arrival rates are $\\lambda_i(\\texttt{time})$ of each profile.
     - `throw`: raise `EquilibriumError` on a failed scenario; default True unbatched,
       False for a batch (failures are then reported in `status`).
@@ -733,9 +836,7 @@ def solve_equilibrium(
     if not (isinstance(time, (int, float)) and math.isfinite(time)):
         raise ValueError(f"time = {time!r} is invalid: expected a finite number")
     if len(scenario.batch_shape) > 1:
-        raise ValueError(
-            f"scenario batch shape {scenario.batch_shape}: expected at most one axis"
-        )
+        raise ValueError(f"scenario batch shape {scenario.batch_shape}: expected at most one axis")
     batched = len(scenario.batch_shape) == 1
     if check:
         _check_overload(scenario, float(time))
@@ -748,27 +849,39 @@ def solve_equilibrium(
     scn = jax.tree_util.tree_map(
         lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
     )
+    # The solver sees constant rates lambda(time): the profile length is not a shape of
+    # the compiled program.
+    lam = jax.vmap(lambda s: s.arrival_rate(time))(scn)
+    scn = dataclasses.replace(
+        scn, arrival_times=jnp.zeros_like(lam)[..., None], arrival_rates=lam[..., None]
+    )
     B = scn.batch_shape[0]
+    # Pad the batch to a bucket size that is a multiple of the device count, so that
+    # nearby batch sizes (and every unbatched call) share one compiled solver.
     ndev = jax.device_count()
-    pad = (-B) % ndev
-    if pad:
-        scn = jax.tree_util.tree_map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, 0)]),
-                                     scn)
+    Bb = _batch_bucket(B, ndev)
+    if Bb > B:
+        scn = jax.tree_util.tree_map(
+            lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], Bb - B, 0)]), scn
+        )
     if ndev > 1:
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
         spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
         scn = jax.device_put(scn, spec)
+    lam = scn.arrival_rates[..., 0]
     out = _solve_batch(
         scn,
-        jnp.asarray(time, jnp.float64),
+        lam,
         jnp.asarray(tol, jnp.float64),
         jnp.asarray(max_iters, jnp.int32),
         cost=cost,
     )
     out = jax.tree_util.tree_map(lambda a: a[:B], out)
     sol = EquilibriumSolution(
-        cell_mask=scn.cell_mask[:B], cost=cost,
-        cell_names=tuple(scenario.cell_names) if not batched else (), **out
+        cell_mask=scn.cell_mask[:B],
+        cost=cost,
+        cell_names=tuple(scenario.cell_names) if not batched else (),
+        **out,
     )
     if not batched:
         sol = jax.tree_util.tree_map(lambda a: a[0], sol)

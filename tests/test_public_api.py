@@ -11,7 +11,9 @@ EXPECTED = {
     "weighted_random_routing", "Diagnostics", "fit_theorem1", "lyapunov_diagnostics",
     "workload_gap", "workload_potential", "HerdingResult", "StabilityResult",
     "characteristic_roots", "critical_step_size", "herding", "linearise", "spectral_abscissa",
-    "symmetric_critical_step_size", "random_network", "verify",
+    "symmetric_critical_step_size", "random_network", "verify", "EQ_STATUS",
+    "EquilibriumError", "EquilibriumSolution", "price_of_anarchy", "solve_equilibrium",
+    "equilibrium_sensitivities",
 }
 
 

@@ -74,7 +74,7 @@ def run(args) -> int:
             step_size=args.step_size,
             tick=args.tick,
             horizon=args.horizon,
-            n_save=400,
+            n_save=min(400, max(1, int(round(args.horizon / args.tick)))),
             throw=False,
         )
         sols.append(sol)

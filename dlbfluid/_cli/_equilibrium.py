@@ -1,0 +1,125 @@
+"""`dlbfluid equilibrium SCENARIO --cost {rif,latency,gradient,all} [--json]`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+
+from ._common import emit_json, load_scenario_arg, positive_float, table
+
+_ORDER = ("rif", "latency", "gradient")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "equilibrium",
+        help="solve the RIF, Wardrop (latency) and social-optimum (gradient) equilibria",
+        description="Solve the convex program whose minimiser is the equilibrium of a cost "
+        "family (theory/equilibria.md): rif = equal RIF per replica, latency = Wardrop "
+        "equilibrium, gradient = social optimum (minimum mean latency). Prints the "
+        "workloads, routing, multipliers, mean latency and KKT certificate of each, and "
+        "the price of anarchy when all three are solved. SCENARIO is a JSON scenario "
+        "file, or 'default' for the built-in 4-cell scenario. Demand that no routing can "
+        "serve within capacity is an error.",
+    )
+    p.add_argument("scenario", metavar="SCENARIO", help="scenario JSON file, or 'default'")
+    p.add_argument(
+        "--cost",
+        choices=[*_ORDER, "all"],
+        default="all",
+        help="cost family to solve (default all: the three, plus the price of anarchy)",
+    )
+    p.add_argument(
+        "--tol",
+        type=positive_float("tol"),
+        default=1e-10,
+        help="KKT residual below which an equilibrium counts as solved (default 1e-10)",
+    )
+    p.add_argument(
+        "--max-iters",
+        type=int,
+        default=200,
+        help="interior-point iteration cap (default 200)",
+    )
+    p.add_argument(
+        "--time",
+        type=float,
+        default=0.0,
+        help="time t at which the arrival-rate profiles are evaluated (default 0)",
+    )
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.set_defaults(func=run)
+
+
+def _fmt(v: float, digits: int = 6) -> str:
+    if not math.isfinite(v):
+        return str(v)
+    return f"{v:.{digits}g}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._equilibrium import EQ_STATUS_NAMES, solve_equilibrium
+
+    if args.max_iters < 1:
+        raise ValueError(f"--max-iters = {args.max_iters} is invalid: expected an integer >= 1")
+    if not math.isfinite(args.time):
+        raise ValueError(f"--time = {args.time} is invalid: expected a finite number")
+    scn = load_scenario_arg(args.scenario)
+    costs = _ORDER if args.cost == "all" else (args.cost,)
+    sols = {
+        c: solve_equilibrium(
+            scn, c, tol=args.tol, max_iters=args.max_iters, time=args.time, throw=False
+        )
+        for c in costs
+    }
+    records = []
+    for c in costs:
+        rec = sols[c].summary()
+        records.append(rec)
+    out: dict = {"scenario": scn.name, "cells": list(scn.cell_names), "equilibria": records}
+    if args.cost == "all":
+        opt = float(sols["gradient"].social_cost)
+        out["price_of_anarchy"] = {
+            "latency": float(sols["latency"].social_cost) / opt,
+            "rif": float(sols["rif"].social_cost) / opt,
+        }
+    ok = all(int(s.status) == 0 for s in sols.values())
+    if args.json:
+        emit_json(out)
+        return 0 if ok else 1
+
+    names = list(scn.cell_names) or [f"cell{j}" for j in range(scn.n_cells)]
+    print(f"scenario {scn.name!r}: {len(names)} cells")
+    rows = [
+        [
+            c,
+            EQ_STATUS_NAMES[int(sols[c].status)],
+            _fmt(float(sols[c].mean_latency)),
+            _fmt(float(sols[c].social_cost)),
+            f"{float(sols[c].kkt_residual):.1e}",
+            int(sols[c].iterations),
+        ]
+        for c in costs
+    ]
+    print(table(rows, ["cost", "status", "mean latency", "social cost", "KKT", "iterations"]))
+    print()
+    header = ["cell"] + [f"N ({c})" for c in costs] + [f"z ({c})" for c in costs]
+    rows = [
+        [name]
+        + [_fmt(float(np.asarray(sols[c].N)[j])) for c in costs]
+        + [_fmt(float(np.asarray(sols[c].z)[j])) for c in costs]
+        for j, name in enumerate(names)
+    ]
+    print(table(rows, header))
+    if "price_of_anarchy" in out:
+        poa = out["price_of_anarchy"]
+        print()
+        print(
+            f"price of anarchy: latency (Wardrop) {poa['latency']:.6f}, "
+            f"rif {poa['rif']:.6f} (social cost over the social optimum's)"
+        )
+    if not ok:
+        print("warning: some equilibria did not reach the KKT tolerance (status above)")
+    return 0 if ok else 1
