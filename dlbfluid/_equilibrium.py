@@ -38,6 +38,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ._costs import COSTS, arc_cost, check_cost, destination_cost
+from ._devices import shard_batch
 from ._errors import OverloadError
 from ._scenario import Scenario, check_capacity, pad_scenario
 from ._service import SOFTPLUS, ServiceModel
@@ -864,10 +865,7 @@ def solve_equilibrium(
         scn = jax.tree_util.tree_map(
             lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], Bb - B, 0)]), scn
         )
-    if ndev > 1:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
-        spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
-        scn = jax.device_put(scn, spec)
+    scn = shard_batch(scn)
     lam = scn.arrival_rates[..., 0]
     out = _solve_batch(
         scn,

@@ -35,6 +35,7 @@ import numpy as np
 
 from ._arrivals import rate_integral
 from ._costs import route_costs
+from ._devices import shard_batch
 from ._policies import AbstractPolicy, policy_from_name
 from ._scenario import Scenario
 from ._solution import STATUS, Solution
@@ -495,10 +496,7 @@ def simulate(
         args = jax.tree_util.tree_map(
             lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), args
         )
-    if ndev > 1:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
-        spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
-        args = jax.device_put(args, spec)
+    args = shard_batch(args)
     if isinstance(integrator, Accurate):
         # Tolerances travel as arrays so that a tolerance sweep reuses one compilation.
         integrator = eqx.tree_at(
