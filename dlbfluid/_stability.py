@@ -536,6 +536,14 @@ def _newton_root(lin: Linearisation, s0: complex, eta: float, *, iters: int = 30
     J = np.zeros((d + 1, d + 1), dtype=complex)
     J[d, :d] = c
     step = np.full(d + 1, np.inf, dtype=complex)
+    # A step that strays far left overflows exp(-s theta); that is detected just below
+    # (non-finite s) and the unrefined root is kept, so the warnings carry no information.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _newton_loop(lin, A, th, eye, J, v, c, s, s0, step, iters)
+
+
+def _newton_loop(lin, A, th, eye, J, v, c, s, s0, step, iters):
+    d = lin.dim
     for _ in range(iters):
         e = np.exp(-s * th)
         Delta = s * eye - np.einsum("k,kij->ij", e, A)
