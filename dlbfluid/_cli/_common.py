@@ -67,3 +67,25 @@ def table(rows: list[list], header: list[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def add_run_options(p: argparse.ArgumentParser, *, horizon: float) -> None:
+    """`--step-size`, `--tick` and `--horizon`, shared by the commands that simulate."""
+    p.add_argument(
+        "--step-size",
+        type=positive_float("step-size"),
+        default=0.05,
+        help="flow-routing step size eta; the update is x <- Proj(x - eta*h*c) (default 0.05)",
+    )
+    p.add_argument(
+        "--tick",
+        type=positive_float("tick"),
+        default=0.05,
+        help="probe tick period h in seconds (default 0.05)",
+    )
+    p.add_argument(
+        "--horizon",
+        type=positive_float("horizon"),
+        default=horizon,
+        help=f"simulated time T in seconds, a multiple of --tick (default {horizon:g})",
+    )

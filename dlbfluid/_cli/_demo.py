@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import emit_json, positive_float, table, write_json
+from ._common import add_run_options, emit_json, table, write_json
 
 DEMO_POLICIES = ("disc-rif", "disc-lat", "disc-grad", "flow-rif", "flow-lat", "flow-grad", "rand")
 _EQ_COST = {"rif": "rif", "lat": "latency", "grad": "gradient"}
@@ -22,24 +22,7 @@ def register(sub) -> None:
         "built-in 4-cell scenario (unequal latencies, one residency restriction), print a "
         "table and write a PNG of the trajectories.",
     )
-    p.add_argument(
-        "--step-size",
-        type=positive_float("step-size"),
-        default=0.05,
-        help="flow-routing step size eta (default 0.05)",
-    )
-    p.add_argument(
-        "--tick",
-        type=positive_float("tick"),
-        default=0.05,
-        help="probe tick period h in seconds (default 0.05)",
-    )
-    p.add_argument(
-        "--horizon",
-        type=positive_float("horizon"),
-        default=400.0,
-        help="simulated seconds (default 400)",
-    )
+    add_run_options(p, horizon=400.0)
     p.add_argument(
         "--out",
         metavar="DIR",

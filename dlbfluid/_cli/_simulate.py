@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import emit_json, load_scenario_arg, positive_float, write_json
+from ._common import add_run_options, emit_json, load_scenario_arg, positive_float, write_json
 
 
 def add_integrator_options(p: argparse.ArgumentParser) -> None:
@@ -65,24 +65,7 @@ def register(sub) -> None:
         default="flow-grad",
         help="routing policy (default flow-grad)",
     )
-    p.add_argument(
-        "--step-size",
-        type=positive_float("step-size"),
-        default=0.05,
-        help="flow-routing step size eta; the update is x <- Proj(x - eta*h*c) (default 0.05)",
-    )
-    p.add_argument(
-        "--tick",
-        type=positive_float("tick"),
-        default=0.05,
-        help="probe tick period h in seconds (default 0.05)",
-    )
-    p.add_argument(
-        "--horizon",
-        type=positive_float("horizon"),
-        default=100.0,
-        help="simulated time T in seconds, a multiple of --tick (default 100)",
-    )
+    add_run_options(p, horizon=100.0)
     p.add_argument(
         "--window",
         type=float,
