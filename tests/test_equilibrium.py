@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 
 import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from cvxpy_reference import cvxpy_solve
 
 import dlbfluid as dl
 from dlbfluid import _equilibrium as eqm
@@ -317,40 +317,6 @@ def test_certificate_rejects_a_wrong_routing():
 # ----------------------------------------------------------------------------------------
 
 
-def cvxpy_solve(d, cost):
-    cp = pytest.importorskip("cvxpy")
-    n = len(d["cells"])
-    lam = np.array([c["arrival_rate"] for c in d["cells"]])
-    cap = np.array([c["service"]["capacity"] for c in d["cells"]])
-    k = np.array([c["replicas"] for c in d["cells"]], dtype=float)
-    allowed = np.array([[v is not None for v in row] for row in d["latency"]])
-    tau = np.array([[0.0 if v is None else v for v in row] for row in d["latency"]])
-    X = cp.Variable((n, n), nonneg=True)
-    cons = [cp.sum(X, axis=1) == 1]
-    if (~allowed).any():
-        cons.append(cp.multiply(X, (~allowed).astype(float)) == 0)
-    z = lam @ X
-    if cost == "gradient":  # p = z/(c - z) = c/(c - z) - 1
-        p = cp.sum(cp.multiply(cap, cp.inv_pos(cap - z))) - n
-    elif cost == "latency":  # p = -log(1 - z/c)
-        p = -cp.sum(cp.log(1 - cp.multiply(z, 1 / cap)))
-    else:  # p = (-z - c log(1 - z/c)) / k
-        p = cp.sum(cp.multiply(1 / k, -z - cp.multiply(cap, cp.log(1 - cp.multiply(z, 1 / cap)))))
-    g = np.zeros_like(tau) if cost == "rif" else 2 * tau
-    prob = cp.Problem(cp.Minimize(p + cp.sum(cp.multiply(g * lam[:, None], X))), cons)
-    with warnings.catch_warnings():  # Clarabel flags its tightest settings "inaccurate"
-        warnings.simplefilter("ignore")
-        prob.solve(
-            solver=cp.CLARABEL,
-            tol_gap_abs=1e-12,
-            tol_gap_rel=1e-12,
-            tol_feas=1e-12,
-            tol_ktratio=1e-12,
-        )
-    zv = lam @ X.value
-    return zv, zv / (cap - zv), prob.value
-
-
 @pytest.mark.parametrize("cost", COSTS)
 def test_random_networks_match_cvxpy(cost):
     rng = np.random.default_rng(11)
@@ -358,6 +324,7 @@ def test_random_networks_match_cvxpy(cost):
         random_mm1(rng, n=int(rng.integers(2, 5)), load=float(rng.uniform(0.5, 0.95)))
         for _ in range(6)
     ]
+    pytest.importorskip("cvxpy")
     batch = dl.stack_scenarios([p[0] for p in pairs], n_cells=4)
     sol = solve_equilibrium(batch, cost)
     assert np.all(np.asarray(sol.status) == 0)
