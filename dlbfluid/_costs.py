@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from ._scenario import Scenario
@@ -41,6 +43,16 @@ def arc_cost(cost: str, scn: Scenario):
     return 2.0 * scn.latency
 
 
-def route_costs(cost: str, scn: Scenario, N_observed):
-    """$\\hat c_{ij} = f_j(N_j(t-\\tau_{ij})) + g_{ij}$ from the `(n, n)` observed workloads."""
-    return destination_cost(cost, scn, N_observed) + arc_cost(cost, scn)
+def route_costs(cost: str, scn: Scenario, N_observed, scale=None):
+    """$\\hat c_{ij} = \\hat f_j(N_j(t-\\tau_{ij})/c_{ij}) + g_{ij}$ from the `(n, n)` observed
+    workloads, as the routers compute it.
+
+    $\\hat f$ uses the routers' model `scn.estimate` (equal to the true `scn.service` unless
+    an estimated model was given; seed §3.3). `scale` is the observed replica fraction
+    $c_{ij} = k_j(t-\\tau_{ij})/k_j$ (default 1): a cell of $c k_j$ replicas behaves as the
+    nominal cell at workload $N/c$, so all three costs, RIF included
+    ($N/(c k_j) = (N/c)/k_j$), are the nominal ones at $N/c$ (theory/evaluation.md).
+    """
+    believed = dataclasses.replace(scn, service=scn.estimate)
+    N = N_observed if scale is None else N_observed / scale
+    return destination_cost(cost, believed, N) + arc_cost(cost, scn)

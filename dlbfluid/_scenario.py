@@ -38,6 +38,15 @@ class Scenario(eqx.Module):
     - `cell_mask`: `(n,)` True for real cells, False for padding.
     - `initial_workload`: `(n,)` $N(0)$, also the constant history on $[-\\bar\\tau, 0]$.
     - `initial_routing`: `(n, n)` $x(0)$, also the constant routing history.
+    - `buffer`: `(n,)` queue capacity $B_j$ of each cell (requests); flow that arrives at a
+      full cell is dropped and counted as errors. Default $+\\infty$ (no drops).
+    - `replica_times`, `replica_counts`: `(n, Q)` piecewise-constant replica schedule
+      $k_j(t)$ = `replica_counts[j, q]` for `replica_times[j, q]` $\\le t <$
+      `replica_times[j, q+1]` (capacity outages). The cell's processing rate scales as
+      $c\\,\\mu_j(N/c)$ with $c = k_j(t)/k_j$ (theory/evaluation.md, *Replicas*). Default: the
+      constant `replicas`.
+    - `estimate`: the `ServiceModel` the routers believe (latency and gradient costs are
+      evaluated with it; seed §3.3, §5.4). Default: `service` itself.
     - `name`, `cell_names`: metadata, stripped before tracing.
     """
 
@@ -52,6 +61,21 @@ class Scenario(eqx.Module):
     initial_routing: Float[Array, "n n"]
     name: str = eqx.field(static=True, default="scenario")
     cell_names: tuple[str, ...] = eqx.field(static=True, default=())
+    buffer: Float[Array, " n"] | None = None
+    replica_times: Float[Array, "n Q"] | None = None
+    replica_counts: Float[Array, "n Q"] | None = None
+    estimate: ServiceModel | None = None
+
+    def __post_init__(self):
+        k = jnp.asarray(self.replicas)
+        if self.buffer is None:
+            self.buffer = jnp.full(k.shape, jnp.inf, dtype=jnp.result_type(float))
+        if self.replica_times is None:
+            self.replica_times = jnp.zeros(k.shape + (1,), dtype=jnp.result_type(float))
+        if self.replica_counts is None:
+            self.replica_counts = k[..., None]
+        if self.estimate is None:
+            self.estimate = self.service
 
     @property
     def n_cells(self) -> int:
@@ -69,6 +93,16 @@ class Scenario(eqx.Module):
     def strip(self) -> Scenario:
         """The same arrays without metadata, so that jit caches ignore names."""
         return dataclasses.replace(self, name="", cell_names=())
+
+
+def replica_scale(times, counts, replicas, t):
+    """$c_j(t) = k_j(t)/k_j$ from a piecewise-constant schedule (one cell; `t` any shape).
+
+    The count `counts[q]` holds on `[times[q], times[q+1])`; before `times[0]` the first
+    count applies.
+    """
+    idx = jnp.clip(jnp.sum(times <= jnp.asarray(t)[..., None], axis=-1) - 1, 0, None)
+    return counts[idx] / replicas
 
 
 def _interp_rows(times, rates, t):
@@ -168,12 +202,57 @@ def _parse_service(field: str, value: Any) -> tuple[int, float, float, float, fl
     return SOFTPLUS, cap, L0, knee, width
 
 
+_CELL_KEYS = (
+    "name",
+    "arrival_rate",
+    "replicas",
+    "service",
+    "estimated_service",
+    "buffer",
+    "replica_schedule",
+)
+
+
+def _service_from_rows(rows) -> ServiceModel:
+    sv = np.array(rows, dtype=float)
+    return ServiceModel(
+        model=jnp.asarray(sv[:, 0].astype(np.int32)),
+        capacity=jnp.asarray(sv[:, 1]),
+        base_latency=jnp.asarray(sv[:, 2]),
+        knee=jnp.asarray(sv[:, 3]),
+        width=jnp.asarray(sv[:, 4]),
+    )
+
+
+def _parse_replica_schedule(field: str, cell: dict, k: float) -> tuple[list, list]:
+    """`{"times": [...], "replicas": [...]}`: piecewise-constant replica count (outages)."""
+    value = cell.get("replica_schedule")
+    if value is None:
+        return [0.0], [k]
+    if not isinstance(value, dict) or set(value) != {"times", "replicas"}:
+        raise _err(field, value, "expected an object with exactly the keys 'times' and 'replicas'")
+    times, counts = value["times"], value["replicas"]
+    if not isinstance(times, list) or not isinstance(counts, list) or not times:
+        raise _err(field, value, "expected non-empty lists 'times' and 'replicas'")
+    if len(times) != len(counts):
+        raise _err(field, value, f"'times' has {len(times)} entries, 'replicas' {len(counts)}")
+    ts = [_finite_number(f"{field}.times[{q}]", t) for q, t in enumerate(times)]
+    ks = [
+        _finite_number(f"{field}.replicas[{q}]", c, minimum=0.0, strict=True)
+        for q, c in enumerate(counts)
+    ]
+    if any(b < a for a, b in zip(ts, ts[1:])):
+        raise _err(f"{field}.times", times, "times must be non-decreasing")
+    return ts, ks
+
+
 def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     """Build and validate a `Scenario` from the JSON-shaped dict of the file format.
 
     **Arguments:**
-    - `data`: `{"name", "cells": [{"name", "arrival_rate", "replicas", "service"}],
-      "latency": [[tau or null]], "initial": {"workload", "routing"}}` (README, *Scenario files*).
+    - `data`: `{"name", "cells": [{"name", "arrival_rate", "replicas", "service",
+      "estimated_service"?, "buffer"?, "replica_schedule"?}], "latency": [[tau or null]],
+      "initial": {"workload", "routing"}}` (README, *Scenario files*).
     - `allow_overload`: skip the Assumption-2 capacity check (simulate overload on purpose).
 
     **Raises:** `ScenarioError` naming the field, the value and what is allowed;
@@ -196,15 +275,14 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
         raise _err("cells", cells, "expected a non-empty list of cell objects")
     n = len(cells)
     names, profiles, replicas, services = [], [], [], []
+    estimates, buffers, schedules = [], [], []
     for j, cell in enumerate(cells):
         f = f"cells[{j}]"
         if not isinstance(cell, dict):
             raise _err(f, cell, "expected an object")
-        unknown = set(cell) - {"name", "arrival_rate", "replicas", "service"}
+        unknown = set(cell) - set(_CELL_KEYS)
         if unknown:
-            raise _err(
-                f, sorted(unknown), "unknown keys; allowed: name, arrival_rate, replicas, service"
-            )
+            raise _err(f, sorted(unknown), f"unknown keys; allowed: {', '.join(_CELL_KEYS)}")
         cname = cell.get("name", f"cell{j}")
         if not isinstance(cname, str) or not cname:
             raise _err(f"{f}.name", cname, "expected a non-empty string")
@@ -217,6 +295,16 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
             raise _err(f"{f}.replicas", k, "expected an integer >= 1")
         replicas.append(float(k))
         services.append(_parse_service(f"{f}.service", cell.get("service")))
+        if "estimated_service" in cell:
+            estimates.append(_parse_service(f"{f}.estimated_service", cell["estimated_service"]))
+        else:
+            estimates.append(services[-1])
+        buffers.append(
+            _finite_number(f"{f}.buffer", cell["buffer"], minimum=0.0, strict=True)
+            if cell.get("buffer") is not None
+            else math.inf
+        )
+        schedules.append(_parse_replica_schedule(f"{f}.replica_schedule", cell, replicas[-1]))
     if len(set(names)) != n:
         raise _err("cells[].name", names, "cell names must be unique")
 
@@ -305,14 +393,10 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     else:
         x0 = weighted_random_routing(allowed, k)
 
-    sv = np.array(services, dtype=float)
-    service = ServiceModel(
-        model=jnp.asarray(sv[:, 0].astype(np.int32)),
-        capacity=jnp.asarray(sv[:, 1]),
-        base_latency=jnp.asarray(sv[:, 2]),
-        knee=jnp.asarray(sv[:, 3]),
-        width=jnp.asarray(sv[:, 4]),
-    )
+    service = _service_from_rows(services)
+    Q = max(len(sch[0]) for sch in schedules)
+    rep_t = np.array([sch[0] + [sch[0][-1]] * (Q - len(sch[0])) for sch in schedules])
+    rep_k = np.array([sch[1] + [sch[1][-1]] * (Q - len(sch[1])) for sch in schedules])
     scn = Scenario(
         arrival_times=jnp.asarray(times),
         arrival_rates=jnp.asarray(rates),
@@ -325,6 +409,10 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
         initial_routing=jnp.asarray(x0),
         name=name,
         cell_names=tuple(names),
+        buffer=jnp.asarray(np.array(buffers)),
+        replica_times=jnp.asarray(rep_t),
+        replica_counts=jnp.asarray(rep_k),
+        estimate=_service_from_rows(estimates),
     )
     if not allow_overload:
         check_capacity(scn)
@@ -359,6 +447,18 @@ def default_scenario() -> Scenario:
     return scenario_from_dict(json.loads(text))
 
 
+def _service_to_dict(s: ServiceModel, j: int) -> dict:
+    if int(s.model[j]) == MM1:
+        return {"model": "mm1", "capacity": float(s.capacity[j])}
+    return {
+        "model": "softplus",
+        "base_latency": float(s.base_latency[j]),
+        "capacity": float(s.capacity[j]),
+        "knee": float(s.knee[j]),
+        "width": float(s.width[j]),
+    }
+
+
 def scenario_to_dict(scn: Scenario) -> dict:
     """Inverse of `scenario_from_dict` for one unpadded scenario (profiles as breakpoints)."""
     mask = np.asarray(scn.cell_mask)
@@ -373,24 +473,22 @@ def scenario_to_dict(scn: Scenario) -> dict:
             rate: Any = float(rs[0])
         else:
             rate = {"times": ts.tolist(), "rates": rs.tolist()}
-        if int(s.model[j]) == MM1:
-            svc = {"model": "mm1", "capacity": float(s.capacity[j])}
-        else:
-            svc = {
-                "model": "softplus",
-                "base_latency": float(s.base_latency[j]),
-                "capacity": float(s.capacity[j]),
-                "knee": float(s.knee[j]),
-                "width": float(s.width[j]),
-            }
-        cells.append(
-            {
-                "name": names[j],
-                "arrival_rate": rate,
-                "replicas": int(scn.replicas[j]),
-                "service": svc,
-            }
-        )
+        cell = {
+            "name": names[j],
+            "arrival_rate": rate,
+            "replicas": int(scn.replicas[j]),
+            "service": _service_to_dict(s, j),
+        }
+        est = _service_to_dict(scn.estimate, j)
+        if est != cell["service"]:
+            cell["estimated_service"] = est
+        if np.isfinite(float(scn.buffer[j])):
+            cell["buffer"] = float(scn.buffer[j])
+        rt = np.asarray(scn.replica_times[j])
+        rk = np.asarray(scn.replica_counts[j])
+        if np.any(rk != float(scn.replicas[j])):
+            cell["replica_schedule"] = {"times": rt.tolist(), "replicas": rk.tolist()}
+        cells.append(cell)
     tau = np.asarray(scn.latency)
     allowed = np.asarray(scn.allowed)
     latency = [[float(tau[i, j]) if allowed[i, j] else None for j in range(n)] for i in range(n)]
@@ -497,8 +595,11 @@ def check_capacity(scn: Scenario, *, rel_margin: float = 1e-9) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def pad_scenario(scn: Scenario, n: int, n_breakpoints: int | None = None) -> Scenario:
-    """Pad one scenario to `n` cells (and `n_breakpoints` arrival breakpoints)."""
+def pad_scenario(
+    scn: Scenario, n: int, n_breakpoints: int | None = None, n_schedule: int | None = None
+) -> Scenario:
+    """Pad one scenario to `n` cells (`n_breakpoints` arrival breakpoints, `n_schedule`
+    replica-schedule entries)."""
     m = scn.n_cells
     if n < m:
         raise ValueError(f"cannot pad a {m}-cell scenario to n = {n} cells")
@@ -522,18 +623,33 @@ def pad_scenario(scn: Scenario, n: int, n_breakpoints: int | None = None) -> Sce
     rates = np.asarray(scn.arrival_rates)
     times = np.concatenate([times, np.repeat(times[:, -1:], Pn - P, axis=1)], axis=1)
     rates = np.concatenate([rates, np.repeat(rates[:, -1:], Pn - P, axis=1)], axis=1)
-    sv = scn.service
-    return Scenario(
-        arrival_times=jnp.asarray(cells(times, 0.0)),
-        arrival_rates=jnp.asarray(cells(rates, 0.0)),
-        replicas=jnp.asarray(cells(scn.replicas, 1.0)),
-        service=ServiceModel(
+    rep_t = np.asarray(scn.replica_times)
+    rep_k = np.asarray(scn.replica_counts)
+    Q = rep_t.shape[-1]
+    Qn = Q if n_schedule is None else n_schedule
+    if Qn < Q:
+        raise ValueError(f"cannot pad {Q} replica-schedule entries to {Qn}")
+    rep_t = np.concatenate([rep_t, np.repeat(rep_t[:, -1:], Qn - Q, axis=1)], axis=1)
+    rep_k = np.concatenate([rep_k, np.repeat(rep_k[:, -1:], Qn - Q, axis=1)], axis=1)
+
+    def service(sv):
+        return ServiceModel(
             model=jnp.asarray(cells(sv.model, MM1)),
             capacity=jnp.asarray(cells(sv.capacity, 1.0)),
             base_latency=jnp.asarray(cells(sv.base_latency, 1.0)),
             knee=jnp.asarray(cells(sv.knee, 0.0)),
             width=jnp.asarray(cells(sv.width, 1.0)),
-        ),
+        )
+
+    return Scenario(
+        arrival_times=jnp.asarray(cells(times, 0.0)),
+        arrival_rates=jnp.asarray(cells(rates, 0.0)),
+        replicas=jnp.asarray(cells(scn.replicas, 1.0)),
+        service=service(scn.service),
+        estimate=service(scn.estimate),
+        buffer=jnp.asarray(cells(scn.buffer, np.inf)),
+        replica_times=jnp.asarray(cells(rep_t, 0.0)),
+        replica_counts=jnp.asarray(cells(rep_k, 1.0)),
         latency=jnp.asarray(square(scn.latency, 0.0)),
         allowed=jnp.asarray(square(scn.allowed, False)),
         cell_mask=jnp.asarray(cells(scn.cell_mask, False)),
@@ -551,7 +667,8 @@ def stack_scenarios(scenarios: Sequence[Scenario], n_cells: int | None = None) -
         raise ValueError("stack_scenarios needs at least one scenario")
     n = max(s.n_cells for s in scenarios) if n_cells is None else n_cells
     P = max(s.arrival_times.shape[-1] for s in scenarios)
-    padded = [pad_scenario(s, n, P).strip() for s in scenarios]
+    Q = max(s.replica_times.shape[-1] for s in scenarios)
+    padded = [pad_scenario(s, n, P, Q).strip() for s in scenarios]
     leaves = [eqx.filter(p, eqx.is_array) for p in padded]
     import jax
 

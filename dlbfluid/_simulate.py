@@ -34,10 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arrivals import rate_integral
+from ._aversion import ErrorAversion, apply_aversion, aversion_update, ema_update
 from ._costs import route_costs
 from ._devices import shard_batch
 from ._policies import AbstractPolicy, policy_from_name
-from ._scenario import Scenario
+from ._scenario import Scenario, replica_scale
 from ._solution import STATUS, Solution
 
 # ----------------------------------------------------------------------------------------
@@ -143,19 +144,29 @@ def _rk4_cell_step(rate, N, A, dt):
     return N + A - dep, dep, area
 
 
-def _tick_fast(scn, tk, h, N, xprev, xcur, m_r, offsets, substeps):
+def _scaled_rate(service, c):
+    """$\\mu_j^{(c)}(N) = c_j\\,\\mu_j(N/c_j)$: a cell running $c_j k_j$ of its $k_j$ replicas
+    with the load spread evenly (theory/evaluation.md, *Replicas*)."""
+    return lambda N: c * service.rate(N / c)
+
+
+def _tick_fast(scn, tk, h, N, xprev, xcur, m_r, offsets, substeps, c):
     M = substeps
     dt = h / M
     s = jnp.arange(M + 1, dtype=h.dtype) * dt
     G = _inflow_cumulative(scn, tk, s, m_r, xprev, xcur)  # (M+1, n, n)
     A = jnp.sum(G[1:] - G[:-1], axis=-2)  # (M, n): exact inflow per substep
-    rate = scn.service.rate
+    rate = _scaled_rate(scn.service, c)
+    buffer = scn.buffer
 
     def step(N, A_p):
         N_next, dep, area = _rk4_cell_step(rate, N, A_p, dt)
-        return N_next, (N_next, dep, jnp.sum(area))
+        # A full queue drops what it cannot hold (a projection onto N <= B, exact in mass).
+        drop = jnp.maximum(N_next - buffer, 0.0)
+        N_next = N_next - drop
+        return N_next, (N_next, dep, jnp.sum(area), drop)
 
-    N_end, (Ns, deps, qs) = jax.lax.scan(step, N, A)
+    N_end, (Ns, deps, qs, drops) = jax.lax.scan(step, N, A)
     grid = jnp.concatenate([N[None], Ns], axis=0)  # (M+1, n)
     # Observations N_j(t_k + o_ij): one more RK4 step of cell j from the grid point before
     # o_ij, with the inflow integrated exactly up to o_ij. Interpolating instead would be
@@ -164,13 +175,21 @@ def _tick_fast(scn, tk, h, N, xprev, xcur, m_r, offsets, substeps):
     sp = idx.astype(h.dtype) * dt
     j = jnp.arange(N.shape[0])[None, :]
     A_obs = _cell_inflow_between(scn, tk, sp, offsets, m_r, xprev, xcur)
-    obs = _rk4_cell_step(rate, grid[idx, j], A_obs, offsets - sp)[0]
+    obs = jnp.minimum(_rk4_cell_step(rate, grid[idx, j], A_obs, offsets - sp)[0], buffer)
     arrivals = jnp.sum(A, axis=0)
     departures = jnp.sum(deps, axis=0)
-    return N_end, obs, arrivals, departures, jnp.sum(qs), jnp.asarray(STATUS["success"])
+    return (
+        N_end,
+        obs,
+        arrivals,
+        departures,
+        jnp.sum(qs),
+        jnp.sum(drops, axis=0),
+        jnp.asarray(STATUS["success"]),
+    )
 
 
-def _tick_accurate(scn, tk, h, N, xprev, xcur, m_r, offsets, solver: Accurate):
+def _tick_accurate(scn, tk, h, N, xprev, xcur, m_r, offsets, solver: Accurate, c):
     """One tick by adaptive Tsit5, one cell at a time.
 
     Given the routing history the cells are decoupled: cell $j$ sees only the $n$ inflow
@@ -183,14 +202,19 @@ def _tick_accurate(scn, tk, h, N, xprev, xcur, m_r, offsets, solver: Accurate):
     rate_fn = jax.vmap(jnp.interp, in_axes=(0, 0, 0))
     sv = scn.service
 
-    def one_cell(N_j, tau_j, r_j, xp_j, xc_j, off_j, model, cap, L0, knee, width):
-        cell = type(sv)(model=model[None], capacity=cap[None], base_latency=L0[None],
-                        knee=knee[None], width=width[None])
+    def one_cell(N_j, tau_j, r_j, xp_j, xc_j, off_j, model, cap, L0, knee, width, c_j):
+        cell = type(sv)(
+            model=model[None],
+            capacity=cap[None],
+            base_latency=L0[None],
+            knee=knee[None],
+            width=width[None],
+        )
 
         def field(t, y, args):
             lam = rate_fn(t - tau_j, times, rates)  # (n,) over sources
             inflow = jnp.sum(lam * jnp.where(t - tk < r_j, xp_j, xc_j))
-            out = cell.rate(y[0][None])[0]
+            out = c_j * cell.rate(y[0][None] / c_j)[0]
             return (inflow - out, out, inflow, y[0])
 
         jumps = tk + r_j
@@ -218,12 +242,22 @@ def _tick_accurate(scn, tk, h, N, xprev, xcur, m_r, offsets, solver: Accurate):
         ok = sol.result == dfx.RESULTS.successful
         return Ns[-1], obs_j, sol.ys[2][-1], sol.ys[1][-1], sol.ys[3][-1], ok
 
-    N1, obs_t, arr, dep, q, ok = jax.vmap(one_cell, in_axes=(0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0))(
-        N, tau, r, xprev, xcur, offsets, sv.model, sv.capacity, sv.base_latency, sv.knee,
+    N1, obs_t, arr, dep, q, ok = jax.vmap(one_cell, in_axes=(0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0))(
+        N,
+        tau,
+        r,
+        xprev,
+        xcur,
+        offsets,
+        sv.model,
+        sv.capacity,
+        sv.base_latency,
+        sv.knee,
         sv.width,
+        c,
     )
     status = jnp.where(jnp.all(ok), STATUS["success"], STATUS["solver_failed"])
-    return N1, obs_t.T, arr, dep, jnp.sum(q), status
+    return N1, obs_t.T, arr, dep, jnp.sum(q), jnp.zeros_like(N1), status
 
 
 def _setup(scn, eta, h, policy, hist):
@@ -235,12 +269,21 @@ def _setup(scn, eta, h, policy, hist):
 
 
 def _init_carry(scn, eta, h, *, policy, hist):
+    """`(N, x_ring, obs_ring, acc, status, change, extra)`; `extra` holds the policy's
+    own routing state (before error aversion), the cells' error-rate averages, their
+    ring buffer and the roots' aversion."""
     n = scn.n_cells
     dtype = scn.latency.dtype
     x0 = policy.initial_routing(scn).astype(dtype)
     N0 = scn.initial_workload.astype(dtype)
     zeros = jnp.zeros(n, dtype)
-    acc0 = (zeros, zeros, zeros, jnp.zeros((), dtype), jnp.zeros((), dtype))
+    acc0 = (zeros, zeros, zeros, jnp.zeros((), dtype), jnp.zeros((), dtype), zeros)
+    extra = dict(
+        xpol=x0,
+        ema=zeros,
+        err_ring=jnp.zeros((hist, n), dtype),
+        aversion=jnp.zeros((n, n), dtype),
+    )
     return (
         N0,
         jnp.broadcast_to(x0, (hist, n, n)),
@@ -248,10 +291,18 @@ def _init_carry(scn, eta, h, *, policy, hist):
         acc0,
         jnp.asarray(STATUS["success"]),
         jnp.asarray(jnp.inf, dtype),
+        extra,
     )
 
 
-def _run_ticks(scn, eta, h, carry, k0, k1, *, policy, integrator, hist):
+def _scale_at(scn, t):
+    """Replica fraction $c_j(t)$ of every cell; `t` broadcasts against the cell axis last."""
+    return jax.vmap(replica_scale, in_axes=(0, 0, 0, -1), out_axes=-1)(
+        scn.replica_times, scn.replica_counts, scn.replicas, jnp.broadcast_to(t, jnp.shape(t))
+    )
+
+
+def _run_ticks(scn, eta, h, carry, k0, k1, aux, *, policy, integrator, hist, aversion):
     """Advance one scenario from tick `k0` to tick `k1` (dynamic bounds)."""
     n = scn.n_cells
     dtype = scn.latency.dtype
@@ -262,27 +313,42 @@ def _run_ticks(scn, eta, h, carry, k0, k1, *, policy, integrator, hist):
     cost = policy.cost
 
     def tick(k, carry):
-        (N, x_ring, obs_ring, acc, status, change) = carry
+        (N, x_ring, obs_ring, acc, status, change, extra) = carry
         tk = k.astype(dtype) * h
         xprev = x_ring[(k - m - 1) % hist, I, J]
         xcur = x_ring[(k - m) % hist, I, J]
+        # Replica changes take effect on the tick whose midpoint has passed them.
+        c = _scale_at(scn, jnp.broadcast_to(tk + 0.5 * h, (n,)))
         if isinstance(integrator, Fast):
-            out = _tick_fast(scn, tk, h, N, xprev, xcur, (tau, r), offsets, integrator.substeps)
+            out = _tick_fast(scn, tk, h, N, xprev, xcur, (tau, r), offsets, integrator.substeps, c)
         else:
-            out = _tick_accurate(scn, tk, h, N, xprev, xcur, (tau, r), offsets, integrator)
-        N1, obs, d_arr, d_dep, d_q, st = out
+            out = _tick_accurate(scn, tk, h, N, xprev, xcur, (tau, r), offsets, integrator, c)
+        N1, obs, d_arr, d_dep, d_q, d_drop, st = out
         lam_tick = _arc_integrals(scn, jnp.full((n, 1), tk), jnp.full((n, 1), tk + h))[:, 0]
         x_k = x_ring[k % hist]
         d_net = jnp.sum(2.0 * tau * x_k * lam_tick[:, None])
         obs_ring1 = obs_ring.at[k % hist].set(obs)
         # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = obs of tick k - m_ij.
+        xpol = extra["xpol"]
+        t_next = tk + h
         if cost is None:
-            x_next = x_k
+            xpol_next = policy.scheduled(scn, xpol, t_next + 0.5 * h, aux)
         else:
             seen = obs_ring1[(k - m) % hist, I, J]
-            x_next = policy.update(x_k, route_costs(cost, scn, seen), step, allowed)
+            seen_scale = _scale_at(scn, t_next - tau) if scn.replica_times.shape[-1] > 1 else None
+            xpol_next = policy.update(xpol, route_costs(cost, scn, seen, seen_scale), step, allowed)
+        new_extra = dict(extra, xpol=xpol_next)
+        if aversion is None:
+            x_next = xpol_next
+        else:
+            ema = ema_update(aversion, extra["ema"], d_drop, d_arr, h)
+            err_ring = extra["err_ring"].at[k % hist].set(ema)
+            seen_err = err_ring[(k - m) % hist, J]
+            a = aversion_update(aversion, extra["aversion"], seen_err, allowed, h)
+            x_next = apply_aversion(xpol_next, a)
+            new_extra.update(ema=ema, err_ring=err_ring, aversion=a)
         x_ring1 = x_ring.at[(k + 1) % hist].set(x_next)
-        new_acc = tuple(a + d for a, d in zip(acc, (d_arr, d_dep, lam_tick, d_q, d_net)))
+        new_acc = tuple(a + d for a, d in zip(acc, (d_arr, d_dep, lam_tick, d_q, d_net, d_drop)))
         finite = (
             jnp.all(jnp.isfinite(N1)) & jnp.all(jnp.isfinite(x_next)) & jnp.all(jnp.isfinite(obs))
         )
@@ -292,19 +358,19 @@ def _run_ticks(scn, eta, h, carry, k0, k1, *, policy, integrator, hist):
         # A failed scenario freezes at its last good state instead of spreading NaNs.
         keep = alive & ok_now
         new_change = jnp.maximum(jnp.max(jnp.abs(N1 - N)), jnp.max(jnp.abs(x_next - x_k)))
-        new = (N1, x_ring1, obs_ring1, new_acc, new_change)
-        old = (N, x_ring, obs_ring, acc, change)
-        N_o, xr_o, or_o, acc_o, ch_o = jax.tree_util.tree_map(
+        new = (N1, x_ring1, obs_ring1, new_acc, new_change, new_extra)
+        old = (N, x_ring, obs_ring, acc, change, extra)
+        N_o, xr_o, or_o, acc_o, ch_o, ex_o = jax.tree_util.tree_map(
             lambda a, b: jnp.where(keep, a, b), new, old
         )
-        return (N_o, xr_o, or_o, acc_o, new_status, ch_o)
+        return (N_o, xr_o, or_o, acc_o, new_status, ch_o, ex_o)
 
     return jax.lax.fori_loop(k0, k1, tick, carry)
 
 
 def _record(scn, eta, h, carry, k, *, policy, hist):
     """The saved state at tick `k`, including the mass in flight on the network."""
-    N, x_ring, _, acc, _, _ = carry
+    N, x_ring, _, acc, _, _, _ = carry
     dtype = scn.latency.dtype
     tau = jnp.where(scn.allowed, scn.latency, 0.0)
     t = k.astype(dtype) * h
@@ -322,22 +388,28 @@ def _record(scn, eta, h, carry, k, *, policy, hist):
         source_arrivals=acc[2],
         workload_integral=acc[3],
         network_integral=acc[4],
+        drops=acc[5],
         in_flight=flight,
     )
 
 
 @eqx.filter_jit
-def _simulate_batch(scn, eta, h, save_ticks, *, policy, integrator, hist, progress):
+def _simulate_batch(
+    scn, eta, h, save_ticks, *, policy, integrator, hist, progress, horizon, aversion
+):
     kw = dict(policy=policy, hist=hist)
     carry0 = jax.vmap(lambda s, e, hh: _init_carry(s, e, hh, **kw))(scn, eta, h)
+    aux = jax.vmap(lambda s, hh: policy.prepare(s, hh, horizon))(scn, h)
     run = jax.vmap(
-        lambda s, e, hh, c, a, b: _run_ticks(s, e, hh, c, a, b, integrator=integrator, **kw)
+        lambda s, e, hh, c, a, b, x: _run_ticks(
+            s, e, hh, c, a, b, x, integrator=integrator, aversion=aversion, **kw
+        )
     )
     rec = jax.vmap(lambda s, e, hh, c, k: _record(s, e, hh, c, k, **kw))
 
     def segment(carry, ks):
         k0, k1 = ks
-        carry = run(scn, eta, h, carry, k0, k1)
+        carry = run(scn, eta, h, carry, k0, k1, aux)
         if progress is not None:
             jax.debug.callback(progress, jnp.max(k1), ordered=False)
         return carry, rec(scn, eta, h, carry, k1)
@@ -390,6 +462,7 @@ def simulate(
     progress: bool = False,
     throw: bool | None = None,
     dtype=None,
+    error_aversion: ErrorAversion | None = None,
 ) -> Solution:
     """Simulate the delayed fluid model under one routing policy, batched.
 
@@ -410,6 +483,9 @@ def simulate(
     - `throw`: raise on a per-scenario failure; default True for one scenario, False for
       a batch (failures are then reported in `Solution.status`).
     - `dtype`: `jnp.float64` (default) or `jnp.float32` for throughput.
+    - `error_aversion`: an `ErrorAversion` to let the roots shift traffic away from cells
+      that drop requests (seed §3.4; cells drop only with a finite `Scenario.buffer`), or
+      `None` (default) for none.
 
     **Returns:** a `Solution`; unbatched when the inputs are.
     """
@@ -418,6 +494,15 @@ def simulate(
         raise ValueError(f"policy = {policy!r} is invalid: expected a policy name or object")
     if not isinstance(integrator, AbstractIntegrator):
         raise ValueError(f"integrator = {integrator!r} is invalid: expected Fast() or Accurate()")
+    if error_aversion is not None and not isinstance(error_aversion, ErrorAversion):
+        raise ValueError(
+            f"error_aversion = {error_aversion!r} is invalid: expected an ErrorAversion or None"
+        )
+    if isinstance(integrator, Accurate) and bool(np.any(np.isfinite(np.asarray(scenario.buffer)))):
+        raise ValueError(
+            "integrator = Accurate() is invalid for a scenario with finite buffers: the "
+            "queue-overflow projection is implemented by the Fast integrator only"
+        )
     dtype = jnp.dtype(jnp.float64 if dtype is None else dtype)
     if dtype not in (jnp.dtype(jnp.float64), jnp.dtype(jnp.float32)):
         raise ValueError(f"dtype = {dtype} is invalid: allowed float64 or float32")
@@ -507,7 +592,17 @@ def simulate(
     prog = _Progress(n_save, progress) if progress else None
     scn_a, eta_a, h_a, _, st_a = args
     rec, status, change = _simulate_batch(
-        scn_a, eta_a, h_a, st_a, policy=pol, integrator=integrator, hist=hist, progress=prog
+        scn_a,
+        eta_a,
+        h_a,
+        st_a,
+        policy=pol,
+        integrator=integrator,
+        hist=hist,
+        progress=prog,
+        # Only a policy that precomputes a schedule depends on the horizon at trace time.
+        horizon=T if type(pol).prepare is not AbstractPolicy.prepare else None,
+        aversion=error_aversion,
     )
     if pad:
         rec, status, change = jax.tree_util.tree_map(lambda a: a[:Bb], (rec, status, change))
@@ -520,6 +615,7 @@ def simulate(
         source_arrivals=rec["source_arrivals"],
         workload_integral=rec["workload_integral"],
         network_integral=rec["network_integral"],
+        drops=rec["drops"],
         in_flight=rec["in_flight"],
         status=status,
         final_change=change,

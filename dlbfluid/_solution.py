@@ -32,6 +32,7 @@ class Solution(eqx.Module):
     - `workload_integral`: $\\int_0^t \\sum_j N_j$; `network_integral`:
       $\\int_0^t \\sum_{ij} 2\\tau_{ij}\\lambda_i x_{ij}$; `in_flight`: the request mass on the
       network at $t$ (sent, not yet arrived).
+    - `drops`: `(S+1, n)` cumulative flow dropped by each cell's full queue (errors).
     - `status`: per-scenario code (`STATUS`); `final_change`: the largest change of $N$ or
       $x$ over the last tick.
     """
@@ -44,6 +45,7 @@ class Solution(eqx.Module):
     source_arrivals: Float[Array, "... S n"]
     workload_integral: Float[Array, "... S"]
     network_integral: Float[Array, "... S"]
+    drops: Float[Array, "... S n"]
     in_flight: Float[Array, "... S"]
     status: Int[Array, "..."]
     final_change: Float[Array, "..."]
@@ -62,15 +64,26 @@ class Solution(eqx.Module):
         return int(round((1.0 - window) * self.n_save))
 
     def mean_latency(self, window: float = 0.5):
-        """Mean end-to-end latency over the last `window` fraction of the horizon, by
-        Little's law: $\\big[\\int \\sum_j N_j\\,dt + \\int \\sum_{ij} 2\\tau_{ij}\\lambda_i x_{ij}
-        \\,dt\\big] / \\int \\sum_i \\lambda_i\\,dt$ (theory/dynamics.md, *Latency*)."""
+        """Mean end-to-end latency of the requests served over the last `window` fraction
+        of the horizon, by Little's law:
+        $\\int \\sum_j N_j\\,dt \\,/\\, (\\int\\sum_i\\lambda_i\\,dt - D)
+        + \\int \\sum_{ij} 2\\tau_{ij}\\lambda_i x_{ij}\\,dt \\,/\\, \\int \\sum_i \\lambda_i\\,dt$,
+        with $D$ the dropped flow (theory/dynamics.md, *Latency*; without drops this is
+        $[\\int \\sum_j N_j + \\int \\sum_{ij} 2\\tau_{ij}\\lambda_i x_{ij}]/\\int\\sum_i\\lambda_i$)."""
         s0 = self._start(window)
-        num = (self.workload_integral[..., -1] - self.workload_integral[..., s0]) + (
-            self.network_integral[..., -1] - self.network_integral[..., s0]
-        )
+        work = self.workload_integral[..., -1] - self.workload_integral[..., s0]
+        net = self.network_integral[..., -1] - self.network_integral[..., s0]
         den = jnp.sum(self.source_arrivals[..., -1, :] - self.source_arrivals[..., s0, :], -1)
-        return num / den
+        dropped = jnp.sum(self.drops[..., -1, :] - self.drops[..., s0, :], -1)
+        return work / (den - dropped) + net / den
+
+    def error_rate(self, window: float = 1.0):
+        """Fraction of the requests that arrived at the root routers over the last
+        `window` fraction of the horizon that were dropped by full queues."""
+        s0 = self._start(window)
+        den = jnp.sum(self.source_arrivals[..., -1, :] - self.source_arrivals[..., s0, :], -1)
+        dropped = jnp.sum(self.drops[..., -1, :] - self.drops[..., s0, :], -1)
+        return dropped / den
 
     def throughput(self, window: float = 0.5):
         """Per-cell service throughput $\\frac{1}{|W|}\\int_W \\mu_j(N_j)\\,dt$ (requests/s)."""
@@ -107,6 +120,7 @@ class Solution(eqx.Module):
             "horizon": float(self.t[-1]),
             "tick": float(self.tick),
             "mean_latency": float(self.mean_latency(window)),
+            "error_rate": float(self.error_rate(window)),
             "window": float(window),
             "throughput": np.asarray(self.throughput(window))[:n].tolist(),
             "final": {
@@ -131,6 +145,7 @@ class Solution(eqx.Module):
             "source_arrivals",
             "workload_integral",
             "network_integral",
+            "drops",
             "in_flight",
             "status",
             "final_change",

@@ -8,7 +8,7 @@ from helpers import THREE
 
 from dlbfluid._cli import main
 
-SIM_KEYS = {"policy", "horizon", "tick", "mean_latency", "window", "throughput", "final",
+SIM_KEYS = {"policy", "horizon", "tick", "mean_latency", "error_rate", "window", "throughput", "final",
             "final_change", "oscillation", "status", "cells", "scenario", "step_size", "wall_s"}
 
 

@@ -15,6 +15,7 @@ POLICY_NAMES = (
     "flow-lat",
     "flow-grad",
     "rand",
+    "mnlb",
 )
 _COST_OF = {"rif": "rif", "lat": "latency", "grad": "gradient"}
 
@@ -34,6 +35,16 @@ class AbstractPolicy(eqx.Module):
     def initial_routing(self, scn) -> Float[Array, "n n"]:
         """$x^0$, also the routing history on $[-\\bar\\tau, 0]$: the scenario's own."""
         return scn.initial_routing
+
+    def prepare(self, scn, h, horizon: float):
+        """Arrays the policy precomputes per scenario before the tick loop (inside jit);
+        `None` for state-feedback policies. `horizon` is a static Python float."""
+        return None
+
+    def scheduled(self, scn, x, t_next, aux):
+        """Routing of a policy that ignores costs (`cost is None`) for the tick starting at
+        `t_next`; the default keeps `x`."""
+        return x
 
     @abc.abstractmethod
     def update(
@@ -57,6 +68,10 @@ def policy_from_name(name: str) -> AbstractPolicy:
         return name
     if name == "rand":
         return WeightedRandom()
+    if name == "mnlb":
+        from .mnlb import MNLB
+
+        return MNLB()
     mech, _, cost = str(name).partition("-")
     if mech in ("flow", "disc") and cost in _COST_OF:
         cls = FlowRouting if mech == "flow" else DiscreteRouting

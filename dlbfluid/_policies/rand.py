@@ -1,15 +1,18 @@
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
+from .._scenario import replica_scale
 from .base import AbstractPolicy
 
 
 class WeightedRandom(AbstractPolicy):
-    """Weighted random routing: $x_{ij} \\propto k_j$ over allowed arcs, fixed in time.
+    """Weighted random routing: $x_{ij} \\propto k_j(t)$ over allowed arcs (seed App. B).
 
-    It ignores the scenario's `initial_routing`: $x_{ij}(t) = k_j/\\sum_{l \\in C^+(i)} k_l$
-    for all $t$, history included.
+    It ignores the scenario's `initial_routing`: $x_{ij}(t) = k_j(t)/\\sum_{l \\in C^+(i)}
+    k_l(t)$, history included, where $k_j(t)$ follows the scenario's replica schedule (so
+    Rand adapts to outages, as in the paper's DLB stack); constant without a schedule.
     """
 
     cost: None = None
@@ -22,6 +25,14 @@ class WeightedRandom(AbstractPolicy):
         w = jnp.where(scn.allowed, scn.replicas[None, :], 0.0)
         tot = jnp.sum(w, axis=-1, keepdims=True)
         return jnp.where(tot > 0, w / jnp.where(tot > 0, tot, 1.0), 0.0)
+
+    def scheduled(self, scn, x, t_next, aux):
+        k = jax.vmap(replica_scale, in_axes=(0, 0, 0, None))(
+            scn.replica_times, scn.replica_counts, scn.replicas, t_next
+        )
+        w = jnp.where(scn.allowed, (k * scn.replicas)[None, :], 0.0)
+        tot = jnp.sum(w, axis=-1, keepdims=True)
+        return jnp.where(tot > 0, w / jnp.where(tot > 0, tot, 1.0), 0.0).astype(x.dtype)
 
     def update(self, x, costs, step, allowed):
         return x
