@@ -126,18 +126,22 @@ def _cell_inflow_between(scn, tk, s0, s1, m_r, xprev, xcur):
     return jnp.sum(cum(b) - cum(a), axis=1)
 
 
-def _rk4_cell_step(rate, N, A, dt):
+def _rk4_cell_step(rate, N, A, dt, cap=None):
     """One RK4 step of $\\dot N = A/dt - \\mu(N)$ over a step of length `dt` with inflow
     mass `A` (elementwise; `dt` may be 0). Returns the new state, the departures of the step
-    (so that $N_{new} = N + A - D$ exactly) and the RK4 quadrature of $\\int N\\,dt$."""
+    (so that $N_{new} = N + A - D$ exactly) and the RK4 quadrature of $\\int N\\,dt$.
+
+    With a finite queue `cap` the stage states are clipped to it, so that a full queue
+    serves at exactly $\\mu(B)$ (the caller drops the excess of the new state)."""
     safe = jnp.where(dt > 0, dt, 1.0)
     abar = jnp.where(dt > 0, A / safe, 0.0)
+    clip = (lambda v: v) if cap is None else (lambda v: jnp.minimum(v, cap))
     m1 = rate(N)
-    N2 = N + 0.5 * dt * (abar - m1)
+    N2 = clip(N + 0.5 * dt * (abar - m1))
     m2 = rate(N2)
-    N3 = N + 0.5 * dt * (abar - m2)
+    N3 = clip(N + 0.5 * dt * (abar - m2))
     m3 = rate(N3)
-    N4 = N + dt * (abar - m3)
+    N4 = clip(N + dt * (abar - m3))
     m4 = rate(N4)
     dep = dt / 6.0 * (m1 + 2.0 * m2 + 2.0 * m3 + m4)
     area = dt / 6.0 * (N + 2.0 * N2 + 2.0 * N3 + N4)
@@ -160,7 +164,7 @@ def _tick_fast(scn, tk, h, N, xprev, xcur, m_r, offsets, substeps, c):
     buffer = scn.buffer
 
     def step(N, A_p):
-        N_next, dep, area = _rk4_cell_step(rate, N, A_p, dt)
+        N_next, dep, area = _rk4_cell_step(rate, N, A_p, dt, buffer)
         # A full queue drops what it cannot hold (a projection onto N <= B, exact in mass).
         drop = jnp.maximum(N_next - buffer, 0.0)
         N_next = N_next - drop
@@ -175,7 +179,7 @@ def _tick_fast(scn, tk, h, N, xprev, xcur, m_r, offsets, substeps, c):
     sp = idx.astype(h.dtype) * dt
     j = jnp.arange(N.shape[0])[None, :]
     A_obs = _cell_inflow_between(scn, tk, sp, offsets, m_r, xprev, xcur)
-    obs = jnp.minimum(_rk4_cell_step(rate, grid[idx, j], A_obs, offsets - sp)[0], buffer)
+    obs = jnp.minimum(_rk4_cell_step(rate, grid[idx, j], A_obs, offsets - sp, buffer)[0], buffer)
     arrivals = jnp.sum(A, axis=0)
     departures = jnp.sum(deps, axis=0)
     return (
