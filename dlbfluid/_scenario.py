@@ -39,7 +39,9 @@ class Scenario(eqx.Module):
     - `initial_workload`: `(n,)` $N(0)$, also the constant history on $[-\\bar\\tau, 0]$.
     - `initial_routing`: `(n, n)` $x(0)$, also the constant routing history.
     - `buffer`: `(n,)` queue capacity $B_j$ of each cell (requests); flow that arrives at a
-      full cell is dropped and counted as errors. Default $+\\infty$ (no drops).
+      full cell is dropped and counted as errors. It scales with the running replicas,
+      $B_j c_j(t)$ (servers that go offline take their queues with them). Default
+      $+\\infty$ (no drops).
     - `replica_times`, `replica_counts`: `(n, Q)` piecewise-constant replica schedule
       $k_j(t)$ = `replica_counts[j, q]` for `replica_times[j, q]` $\\le t <$
       `replica_times[j, q+1]` (capacity outages). The cell's processing rate scales as

@@ -161,7 +161,7 @@ def _tick_fast(scn, tk, h, N, xprev, xcur, m_r, offsets, substeps, c):
     G = _inflow_cumulative(scn, tk, s, m_r, xprev, xcur)  # (M+1, n, n)
     A = jnp.sum(G[1:] - G[:-1], axis=-2)  # (M, n): exact inflow per substep
     rate = _scaled_rate(scn.service, c)
-    buffer = scn.buffer
+    buffer = scn.buffer * c  # one queue per server: a cell running c k_j servers holds c B_j
 
     def step(N, A_p):
         N_next, dep, area = _rk4_cell_step(rate, N, A_p, dt, buffer)

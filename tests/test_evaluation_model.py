@@ -190,3 +190,20 @@ def test_scenario_round_trip_keeps_the_new_fields():
     assert c["buffer"] == 5.0
     assert c["replica_schedule"] == {"times": [0.0, 5.0], "replicas": [1.0, 0.5]}
     assert c["estimated_service"] == {"model": "mm1", "capacity": 12.0}
+
+
+def test_an_outage_shrinks_the_queue_with_the_servers():
+    # 2 replicas, buffer 4, lam = 2 < mu_bar: N* = 2/(10-2) = 0.25 before the outage. At
+    # t = 10 one replica is left: the queue holds 2 and the capacity is 5 > lam, no drops;
+    # cut the buffer below N*: buffer 0.4 -> 0.2 < N(10^-) = 0.25 drops 0.05 at once.
+    sch = {"times": [0.0, 10.0], "replicas": [2, 1]}
+    d = one_cell(lam=2.0, buffer=0.4, replicas=2, schedule=sch)
+    sol = dl.simulate(dl.scenario_from_dict(d), "rand", tick=H, horizon=20.0, n_save=20)
+    assert float(sol.drops[10, 0]) == 0.0
+    assert float(sol.N[10, 0]) == pytest.approx(0.25, rel=1e-9)
+    assert float(sol.N.max()) <= 0.4
+    assert float(sol.N[-1, 0]) == pytest.approx(0.2, abs=1e-12)
+    # Once full at 0.2, the cell serves mu(0.2) = 10*0.2/(1 + 0.2/0.5) and drops the rest.
+    mu_full = 10 * 0.2 / (1 + 0.4)
+    rate = float(sol.drops[-1, 0] - sol.drops[15, 0]) / 5.0
+    assert rate == pytest.approx(2.0 - mu_full, rel=1e-9)
