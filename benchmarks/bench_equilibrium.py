@@ -12,7 +12,7 @@ first `--cvxpy-problems` all-M/M/1 networks of the same batch, one by one (probl
 construction included, as a user would run it), with the closed-form M/M/1 potentials of
 theory-notes §4; its throughput is extrapolated per problem. The JSON states this.
 
-Run: `python benchmarks/bench_equilibrium.py [--batch 1000] [--n-cells 10]`.
+Run: `python benchmarks/bench_equilibrium.py [--batch 1000] [--n-cells 10] [--out FILE]`.
 Prints one JSON object on stdout and a small table on stderr.
 """
 
@@ -105,10 +105,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--repeats", type=int, default=3, help="timed JAX repeats, best kept (3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="also write the JSON record to this file")
     args = ap.parse_args(argv)
     if args.batch < 2 or args.n_cells < 2:
         ap.error("--batch and --n-cells must be at least 2")
 
+    load_before = os.getloadavg()
     rng = np.random.default_rng(args.seed)
     t = time.perf_counter()
     dicts, batch = make_batch(rng, args.batch, args.n_cells)
@@ -172,6 +174,11 @@ def main(argv=None) -> int:
         "cvxpy_problems_timed": len(COSTS) * len(subset),
         "cvxpy_problems_per_s": cvx_rate,
         "speedup": jax_rate / cvx_rate,
+        "target": "speedup >= 100 at worst KKT residual <= 1e-9 (issue 3, section 10)",
+        "meets_target": bool(
+            jax_rate / cvx_rate >= 100.0
+            and max(r["jax_worst_kkt"] for r in per_cost.values()) <= 1e-9
+        ),
         "max_abs_N_diff_vs_cvxpy": max(r["max_abs_N_diff_vs_cvxpy"] for r in per_cost.values()),
         "max_rel_N_diff_vs_cvxpy": max(r["max_rel_N_diff_vs_cvxpy"] for r in per_cost.values()),
         "notes": (
@@ -186,8 +193,12 @@ def main(argv=None) -> int:
         ),
         "per_cost": per_cost,
         "generation_s": gen_s,
+        "load_average_before_after": [load_before[0], os.getloadavg()[0]],
+        "cpu_count": os.cpu_count(),
     }
     print(json.dumps(out))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     rows = [("cost", "jax/s", "cvxpy/s", "speedup", "worst KKT", "failed", "max|dN|")]
     for c, r in per_cost.items():
         rows.append(

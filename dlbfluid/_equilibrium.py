@@ -55,7 +55,9 @@ EQ_STATUS_MESSAGES = {
 # Python-side count of traces of the batched solver, per cost (tests check recompiles).
 _TRACES: collections.Counter = collections.Counter()
 
-_IPM_TOL = 1e-10  # per-source duality gap at which the polish takes over
+_IPM_TOL = 1e-10  # per-source duality gap at which the polish takes over (second try)
+_IPM_SWITCH = 1e-6  # ... and on the first try (a failed early polish resumes stage 1)
+_RETRY = 1e-2  # first polish failed: best scaled residual above this times `tol`
 _IPM_FEAS = 1e-8  # relative demand residual below which a point may count as centred
 _POLISH_ITERS = 8
 _POLISH_REG = 1e-9  # proximal weight of the polish step, relative to the cell curvature
@@ -82,7 +84,7 @@ def inverse_rate(service: ServiceModel, z, guess=None, *, max_iter: int = 60):
     steps from any point left of the root increase monotonically to it; the start is the
     lower bound $\\max(zL_0,\\ z a_0/(1-z\\beta))$ (from $\\ell(N) \\ge \\max(L_0, a_0+\\beta N)$)
     or a warm `guess` above it (a step from the right lands left of the root). Iterates
-    until every relative step is below $10^{-13}$ (theory/equilibria.md §3.4).
+    until every relative step is below $10^{-13}$ (theory/equilibria.md §3.3).
     """
     cap = service.capacity
     inside = z < cap
@@ -423,7 +425,8 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
     $\\psi$ (from its slope alone, so no potential values are needed) passes Armijo's test.
     When the point is feasible and centred (Newton decrement $\\le 1/4$), $\\tau$ shrinks 10x
     (100x after a full, well-centred step); the stage ends when the per-source duality gap
-    $\\tau\\deg(i)$ is below `_IPM_TOL`, or the line search fails, or after `max_iters`.
+    $\\tau\\deg(i)$ is below `_IPM_SWITCH` (`_IPM_TOL` on a second try), or the line search
+    fails, or after `max_iters`.
 
     **Stage 2, polish** (`phase = 1`, at most `_POLISH_ITERS` iterations, fewer once the
     scaled residual is below `_POLISH_DONE`): the support is the set
@@ -434,7 +437,9 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
     only selects among equivalent flows on cycles of the support). Small flows that a step
     would drive negative leave the support without a step; otherwise a ratio test drops
     the first arc to reach zero; arcs with a clearly negative reduced cost join. The best
-    point seen (smallest scaled residual) is kept.
+    point seen (smallest scaled residual) is kept. If the first polish (started at gap
+    `_IPM_SWITCH`) ends with that residual above `_RETRY * tol`, stage 1 resumes once from
+    the centred point it left, now down to `_IPM_TOL` (theory/equilibria.md §3.1).
     """
     pb = _make_problem(scn, lam, cost)
     A, src, g = pb.A, pb.src, pb.g
@@ -476,6 +481,10 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         best_m=jnp.asarray(jnp.inf, lam.dtype),
         fresh=jnp.asarray(True),
         converged=jnp.asarray(False),
+        ptot=jnp.asarray(0),
+        retry=jnp.asarray(True),
+        keep=dict(y=y0, s=jnp.zeros_like(y0), nu=zero_n, N=N0, w=jnp.zeros_like(y0)),
+        keep_tau=jnp.asarray(1.0, lam.dtype),
     )
 
     def cond(st):
@@ -566,7 +575,7 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         N1 = jnp.where(good, Nt, N)
         rp_new = jnp.where(good, (1.0 - a) * rp, rp)
         centred = (jnp.max(jnp.abs(rp_new) / lsrc) <= _IPM_FEAS) & ((dec <= 0.25) | flat)
-        conv = centred & (tau * deg <= _IPM_TOL)
+        conv = centred & (tau * deg <= jnp.where(st["retry"], _IPM_SWITCH, _IPM_TOL))
         shrink = jnp.where((a >= 0.999) & (dec <= 1e-2), 0.01, 0.1)
         lower = centred & ~conv
         tau1 = jnp.where(lower, tau * shrink, tau)
@@ -610,10 +619,21 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         def pick(a1, a2):
             return jnp.where(ipm, a1, a2)
 
-        return dict(
+        # Early polish that failed: resume stage 1 from the point it left (once).
+        best_m = jnp.where(better, m_cur, st["best_m"])
+        back = ~ipm & st["retry"] & (st["pol"] >= _POLISH_ITERS) & (best_m > _RETRY * tol)
+        keep_now = ipm & end_ipm & conv
+        keep = st["keep"]
+        nu_ipm = jnp.where(good, nun, nu)
+        keep = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(keep_now, new, old),
+            dict(y=y1, s=s1, nu=nu_ipm, N=N1, w=w1),
+            keep,
+        )
+        out = dict(
             y=pick(jnp.where(end_ipm, jnp.where(sup, y1, 0.0), y1), y2),
             s=pick(s1, s),
-            nu=pick(jnp.where(good, nun, nu), nu + a2 * dnu),
+            nu=pick(nu_ipm, nu + a2 * dnu),
             N=pick(N1, jnp.where(fed, N + a2 * dN, 0.0)),
             w=pick(w1, w),
             tau=pick(tau1, tau),
@@ -623,14 +643,22 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
             act=pick(sup, act2),
             best_y=jnp.where(better, y, st["best_y"]),
             best_N=jnp.where(better, N, st["best_N"]),
-            best_m=jnp.where(better, m_cur, st["best_m"]),
+            best_m=best_m,
             fresh=jnp.asarray(False),
             converged=st["converged"] | (ipm & conv),
+            ptot=st["ptot"] + (~ipm).astype(st["pol"].dtype),
+            retry=st["retry"] & ~back & ~(ipm & end_ipm & ~conv),
+            keep=keep,
+            keep_tau=jnp.where(keep_now, tau1, st["keep_tau"]),
         )
+        resume = dict(keep, tau=st["keep_tau"], phase=0, pol=0, act=A)
+        for k, v in resume.items():
+            out[k] = jnp.where(back, v, out[k])
+        return out
 
     st = jax.lax.while_loop(cond, body, st0)
     cert = _certify(pb, st["best_y"], st["best_N"])
-    cert["iterations"] = st["it"] + st["pol"]
+    cert["iterations"] = st["it"] + st["ptot"]
     # success: certified; not_converged: the interior point stopped early (iteration cap
     # or failed line search) or the certificate is above tol; nonfinite: a converged run
     # that still produced a non-finite value.

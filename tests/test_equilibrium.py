@@ -409,6 +409,33 @@ def test_non_convergence_is_a_status_not_a_crash():
         solve_equilibrium(heavy_residency(0.99), "gradient", max_iters=1)
 
 
+def test_failed_early_polish_resumes_the_interior_point(monkeypatch):
+    """Stage 2 starts early (barrier gap `_IPM_SWITCH`); when that polish fails the solver
+    resumes stage 1 from the point it left and polishes again at the full barrier gap.
+
+    With the switch forced to a barely centred point (gap 1) the early polish alone ends
+    far from the equilibrium (retry disabled); with the retry the result is certified and
+    equals the default solve."""
+    s = heavy_residency(0.99)
+    ref = solve_equilibrium(s, "gradient")
+
+    def run():
+        f = jax.jit(lambda sc, lam: eqm._solve_one(sc, lam, 1e-10, 200, cost="gradient"))
+        return f(s.strip(), s.arrival_rate(0.0))
+
+    monkeypatch.setattr(eqm, "_IPM_SWITCH", 1.0)
+    monkeypatch.setattr(eqm, "_RETRY", 1e300)
+    once = run()
+    assert int(once["status"]) == EQ_STATUS["not_converged"]
+    assert float(once["kkt_residual"]) > 1e-3
+    monkeypatch.setattr(eqm, "_RETRY", 1e-2)
+    again = run()
+    assert int(again["status"]) == EQ_STATUS["success"]
+    assert float(again["kkt_residual"]) <= 1e-10
+    assert int(again["iterations"]) > int(once["iterations"])
+    np.testing.assert_allclose(np.asarray(again["N"]), np.asarray(ref.N), rtol=1e-10)
+
+
 def test_overloaded_demand_names_cells_and_sources():
     d = {
         "name": "over",
