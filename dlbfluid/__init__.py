@@ -8,6 +8,7 @@ import jax as _jax
 
 _jax.config.update("jax_enable_x64", True)
 
+from ._aversion import ErrorAversion as ErrorAversion
 from ._costs import arc_cost as arc_cost
 from ._costs import destination_cost as destination_cost
 from ._costs import route_costs as route_costs
@@ -19,11 +20,17 @@ from ._equilibrium import solve_equilibrium as solve_equilibrium
 from ._equilibrium_grad import equilibrium_sensitivities as equilibrium_sensitivities
 from ._errors import OverloadError as OverloadError
 from ._errors import ScenarioError as ScenarioError
+from ._experiment import ExperimentConfig as ExperimentConfig
+from ._experiment import run_experiment as run_experiment
+from ._generator import GeneratedScenarios as GeneratedScenarios
+from ._generator import generate as generate
+from ._generator import scenario_dicts as scenario_dicts
 from ._lyapunov import Diagnostics as Diagnostics
 from ._lyapunov import fit_theorem1 as fit_theorem1
 from ._lyapunov import lyapunov_diagnostics as lyapunov_diagnostics
 from ._lyapunov import workload_gap as workload_gap
 from ._lyapunov import workload_potential as workload_potential
+from ._policies import MNLB as MNLB
 from ._policies import POLICY_NAMES as POLICY_NAMES
 from ._policies import AbstractPolicy as AbstractPolicy
 from ._policies import DiscreteRouting as DiscreteRouting

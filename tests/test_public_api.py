@@ -13,7 +13,8 @@ EXPECTED = {
     "characteristic_roots", "critical_step_size", "herding", "linearise", "spectral_abscissa",
     "symmetric_critical_step_size", "random_network", "verify", "EQ_STATUS",
     "EquilibriumError", "EquilibriumSolution", "price_of_anarchy", "solve_equilibrium",
-    "equilibrium_sensitivities",
+    "equilibrium_sensitivities", "ErrorAversion", "ExperimentConfig", "run_experiment",
+    "GeneratedScenarios", "generate", "scenario_dicts", "MNLB",
 }
 
 

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     mods = list(_COMMANDS)
-    for name in ("_equilibrium", "_stability", "_verify"):
+    for name in ("_equilibrium", "_stability", "_verify", "_experiment"):
         mod = _optional(name)
         if mod is not None:
             mods.append(mod)

@@ -1,0 +1,497 @@
+"""The paper's evaluation (seed §5.4, App. B) in the fluid model: generated scenarios,
+the six DLB policies against Rand and MNLB, bursts, outages, spikes, duration scaling and
+estimation noise (theory/evaluation.md).
+
+An experiment is a list of *variants* (e.g. utilisation 0.5 ... 0.95); each variant draws
+`scenarios` scenarios from the App-B generator (`_generator.generate`, seeded by
+`(seed, index)`) and `trials` arrival-rate fluctuation trials of each, and simulates the
+whole `scenarios x trials` batch under each policy in one vmapped call. The unit of work is
+one `(variant, policy)` batch: its rows are appended to `results.csv` and fsync'ed
+together, so a killed run resumes at the first unit that is not complete, and a torn
+last unit is dropped and recomputed (never duplicated).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ._aversion import ErrorAversion
+from ._policies import MNLB, policy_from_name
+from ._scenario import scenario_from_dict, stack_scenarios
+
+POLICIES = (
+    "rand",
+    "mnlb",
+    "disc-rif",
+    "disc-lat",
+    "disc-grad",
+    "flow-rif",
+    "flow-lat",
+    "flow-grad",
+)
+UTILISATIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+NOISE_LEVELS = (0.0, 0.1, 0.25, 0.5)
+
+
+def _variants(kind: str) -> list[tuple[str, dict]]:
+    from ._generator import DURATION_SCALES
+
+    if kind == "baseline":
+        return [("baseline", {})]
+    if kind == "utilization":
+        return [(f"u={u:g}", {"utilisation": u}) for u in UTILISATIONS]
+    if kind == "duration":
+        return [(f"y={y:g}", {"duration_scale": y}) for y in DURATION_SCALES]
+    if kind in ("burst", "outage", "spikes"):
+        return [(kind, {"event": kind})]
+    if kind == "noise":
+        return [(f"eps={e:g}", {"noise": e}) for e in NOISE_LEVELS]
+    raise ValueError(f"experiment = {kind!r} is invalid: allowed experiments are {list(KINDS)}")
+
+
+KINDS = ("baseline", "utilization", "duration", "burst", "outage", "spikes", "noise")
+FIELDS = (
+    "experiment",
+    "variant",
+    "policy",
+    "scenario",
+    "trial",
+    "n_cells",
+    "utilisation",
+    "step_size",
+    "mean_latency",
+    "error_rate",
+    "status",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """What an experiment directory holds; a resumed run must match it exactly.
+
+    **Fields:** `experiment` (one of `KINDS`), `scenarios`, `trials`, `seed`, `horizon` (s),
+    `tick` (s), `step_fraction` (flow step size as a fraction of each scenario's critical
+    step size $\\eta^*$), `policies`, `error_aversion` (roots use `ErrorAversion()`),
+    `mnlb_period` (s) and `mnlb_cap` (MNLB's utilisation cap), `fluctuation` (trial noise
+    $\\sigma$), `utilisation` (of the base scenarios).
+    """
+
+    experiment: str
+    scenarios: int = 10
+    trials: int = 5
+    seed: int = 0
+    horizon: float = 600.0
+    tick: float = 0.05
+    step_fraction: float = 0.3
+    policies: tuple[str, ...] = POLICIES
+    error_aversion: bool = True
+    mnlb_period: float = 10.0
+    mnlb_cap: float = 0.9
+    fluctuation: float = 0.1
+    utilisation: float = 0.8
+
+    def __post_init__(self):
+        _variants(self.experiment)
+        for f in ("scenarios", "trials"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} = {v!r} is invalid: expected an integer >= 1")
+        for f in ("horizon", "tick", "mnlb_period"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{f} = {v!r} is invalid: expected a finite number > 0")
+        K = round(self.horizon / self.tick)
+        if abs(K * self.tick - self.horizon) > 1e-9 * self.horizon:
+            raise ValueError(
+                f"horizon = {self.horizon} is invalid: expected a multiple of tick = {self.tick}"
+            )
+        if not (0 < self.step_fraction <= 1):
+            raise ValueError(
+                f"step_fraction = {self.step_fraction!r} is invalid: expected 0 < value <= 1"
+            )
+        if not (0 < self.mnlb_cap <= 1):
+            raise ValueError(f"mnlb_cap = {self.mnlb_cap!r} is invalid: expected 0 < value <= 1")
+        if not (0 <= self.fluctuation < 1):
+            raise ValueError(
+                f"fluctuation = {self.fluctuation!r} is invalid: expected 0 <= value < 1"
+            )
+        if not (0 < self.utilisation < 1):
+            raise ValueError(
+                f"utilisation = {self.utilisation!r} is invalid: expected 0 < value < 1"
+            )
+        pols = tuple(self.policies)
+        for p in pols:
+            if p not in POLICIES:
+                raise ValueError(
+                    f"policies: {p!r} is invalid: allowed policies are {list(POLICIES)}"
+                )
+        if "rand" not in pols:
+            raise ValueError(
+                f"policies = {list(pols)} is invalid: 'rand' is required (latencies are "
+                "normalised by Rand's)"
+            )
+        if len(set(pols)) != len(pols):
+            raise ValueError(f"policies = {list(pols)} is invalid: duplicates")
+        object.__setattr__(self, "policies", pols)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["policies"] = list(self.policies)
+        return d
+
+
+# ----------------------------------------------------------------------------------------
+# Building one variant's batch
+# ----------------------------------------------------------------------------------------
+
+
+def _variant_batch(cfg: ExperimentConfig, options: dict):
+    """The `scenarios x trials` batch of one variant (trial-major inside each scenario),
+    plus the nominal scenarios (no trial noise, no event) used for step sizes."""
+    from ._generator import generate, scenario_dicts
+
+    gen = generate(
+        cfg.seed,
+        cfg.scenarios,
+        utilisation=options.get("utilisation", cfg.utilisation),
+        duration_scale=options.get("duration_scale", 1.0),
+    )
+    event = options.get("event", "none")
+    nominal = [
+        scenario_from_dict(d) for d in scenario_dicts(gen, horizon=cfg.horizon, fluctuation=0.0)
+    ]
+    per_trial = [
+        scenario_dicts(gen, event=event, trial=t, horizon=cfg.horizon, fluctuation=cfg.fluctuation)
+        for t in range(cfg.trials)
+    ]
+    scns = []
+    for s in range(cfg.scenarios):
+        for t in range(cfg.trials):
+            scns.append(scenario_from_dict(per_trial[t][s], allow_overload=True))
+    eps = options.get("noise")
+    if eps:
+        from ._estimation import perturb_service
+
+        # One perturbation per scenario (the same for all its trials), seeded by its index.
+        est = [
+            perturb_service(scns[s * cfg.trials].service, eps, cfg.seed * 1_000_003 + s)
+            for s in range(cfg.scenarios)
+        ]
+        scns = [dataclasses.replace(sc, estimate=est[k // cfg.trials]) for k, sc in enumerate(scns)]
+    util = gen.total_utilisation()
+    return nominal, stack_scenarios(scns), np.asarray(util, dtype=float)
+
+
+def _step_sizes(cfg: ExperimentConfig, nominal, policy: str) -> np.ndarray:
+    """$\\eta = $ `step_fraction` $\\cdot \\eta^*$ per scenario, from the linearisation at
+    the nominal scenario's equilibrium (theory/stability.md). The paper takes the step
+    inversely proportional to the mean network latency; $\\eta^*$ scales that way and also
+    accounts for each cell's cost slope. A scenario whose $\\eta^*$ cannot be computed
+    takes the median of the others."""
+    from ._equilibrium import solve_equilibrium
+    from ._verify import _thresholds
+
+    pol = policy_from_name(policy)
+    eq = solve_equilibrium(stack_scenarios(nominal), pol.cost)
+    etas = _thresholds(nominal, policy, 24, eq)
+    good = [e for e in etas if e is not None and math.isfinite(e) and e > 0]
+    fill = float(np.median(good)) if good else 1.0
+    return cfg.step_fraction * np.array([fill if e is None else e for e in etas])
+
+
+# ----------------------------------------------------------------------------------------
+# Resumable results file
+# ----------------------------------------------------------------------------------------
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        text = f.read()
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines = lines[:-1]  # a torn last line
+    rows = list(csv.DictReader(lines))
+    return [r for r in rows if None not in r.values() and len(r) == len(FIELDS)]
+
+
+def _complete_units(rows: list[dict], expected: int) -> dict[tuple[str, str], list[dict]]:
+    units: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        units.setdefault((r["variant"], r["policy"]), []).append(r)
+    return {k: v for k, v in units.items() if len(v) == expected}
+
+
+def _rewrite(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _append(path: Path, rows: list[dict]) -> None:
+    with open(path, "a", newline="") as f:
+        csv.DictWriter(f, fieldnames=FIELDS).writerows(rows)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------------------
+# Summary
+# ----------------------------------------------------------------------------------------
+
+
+def summarise(rows: list[dict], policies=POLICIES) -> list[dict]:
+    """Per `(variant, policy)`: mean latency normalised by Rand's on the same scenario and
+    trial, its mean and 10/50/90th percentiles across scenarios x trials, the raw mean
+    latency and the error rate (mean and 90th percentile). Failed runs are counted, not
+    averaged."""
+    by = {}
+    for r in rows:
+        by[(r["variant"], r["policy"], r["scenario"], r["trial"])] = r
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    out = []
+    for v in variants:
+        for p in policies:
+            mine = [r for r in rows if r["variant"] == v and r["policy"] == p]
+            if not mine:
+                continue
+            norm, lat, err, failed = [], [], [], 0
+            for r in mine:
+                base = by.get((v, "rand", r["scenario"], r["trial"]))
+                if r["status"] != "success" or base is None or base["status"] != "success":
+                    failed += 1
+                    continue
+                lat.append(float(r["mean_latency"]))
+                err.append(float(r["error_rate"]))
+                norm.append(float(r["mean_latency"]) / float(base["mean_latency"]))
+            q = lambda a, pct: float(np.percentile(a, pct)) if a else None  # noqa: E731
+            out.append(
+                {
+                    "variant": v,
+                    "policy": p,
+                    "runs": len(mine),
+                    "failed": failed,
+                    "normalized_latency": float(np.mean(norm)) if norm else None,
+                    "normalized_latency_p10": q(norm, 10),
+                    "normalized_latency_p50": q(norm, 50),
+                    "normalized_latency_p90": q(norm, 90),
+                    "mean_latency": float(np.mean(lat)) if lat else None,
+                    "error_rate": float(np.mean(err)) if err else None,
+                    "error_rate_p90": q(err, 90),
+                }
+            )
+    return out
+
+
+def plot_summary(summary: list[dict], path, title: str = "") -> None:
+    """Normalised mean latency (with the 10-90% spread) and error rate per policy and
+    variant, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(dict.fromkeys(s["variant"] for s in summary))
+    policies = list(dict.fromkeys(s["policy"] for s in summary))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / max(len(policies), 1)
+    xs = np.arange(len(variants))
+    for k, p in enumerate(policies):
+        rows = {s["variant"]: s for s in summary if s["policy"] == p}
+        m = np.array(
+            [
+                np.nan
+                if rows.get(v, {}).get("normalized_latency") is None
+                else rows[v]["normalized_latency"]
+                for v in variants
+            ]
+        )
+        lo = np.array(
+            [
+                np.nan
+                if rows.get(v, {}).get("normalized_latency_p10") is None
+                else rows[v]["normalized_latency_p10"]
+                for v in variants
+            ]
+        )
+        hi = np.array(
+            [
+                np.nan
+                if rows.get(v, {}).get("normalized_latency_p90") is None
+                else rows[v]["normalized_latency_p90"]
+                for v in variants
+            ]
+        )
+        e = np.array(
+            [
+                np.nan if rows.get(v, {}).get("error_rate") is None else rows[v]["error_rate"]
+                for v in variants
+            ]
+        )
+        off = xs + (k - (len(policies) - 1) / 2) * width
+        axes[0].bar(off, m, width, label=p)
+        axes[0].errorbar(off, m, yerr=[m - lo, hi - m], fmt="none", ecolor="k", lw=0.8)
+        axes[1].bar(off, 100 * e, width, label=p)
+    for ax, lab in zip(axes, ("mean latency / Rand's", "errors (% of requests)")):
+        ax.set_xticks(xs, variants)
+        ax.set_ylabel(lab)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].legend(fontsize=7, ncol=2)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------
+# The runner
+# ----------------------------------------------------------------------------------------
+
+
+class _Bar:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.t0 = total, enabled, time.perf_counter()
+
+    def __call__(self, done: int, label: str) -> None:
+        if not self.enabled:
+            return
+        frac = done / max(self.total, 1)
+        el = time.perf_counter() - self.t0
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(
+            f"\rexperiment [{bar:<30}] {done}/{self.total} units  {el:7.1f}s  {label:<24}"
+        )
+        if done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False) -> dict:
+    """Run (or resume) an experiment into `out_dir`; returns the summary.
+
+    Files: `config.json` (the `ExperimentConfig`; a different one in the same directory is
+    an error), `results.csv` (one row per variant, policy, scenario and trial; columns
+    `FIELDS`), `summary.csv` and `summary.json` (`summarise`), `<experiment>.png`
+    (`plot_summary`).
+    """
+    cfg = config
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cpath = out / "config.json"
+    if cpath.exists():
+        old = json.loads(cpath.read_text())
+        if old != cfg.to_json():
+            diff = {k: (old.get(k), v) for k, v in cfg.to_json().items() if old.get(k) != v}
+            raise ValueError(
+                f"out = {str(out)!r} is invalid: it holds a different experiment "
+                f"(changed: {diff}); resume with the same options or choose a new --out"
+            )
+    else:
+        cpath.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    rpath = out / "results.csv"
+    expected = cfg.scenarios * cfg.trials
+    rows = _read_rows(rpath)
+    done = _complete_units(rows, expected)
+    kept = [r for unit in done.values() for r in unit]
+    if len(kept) != len(rows) or not rpath.exists():
+        _rewrite(rpath, kept)  # drop a torn unit (and write the header of a new file)
+    variants = _variants(cfg.experiment)
+    order = ["rand"] + [p for p in cfg.policies if p != "rand"]
+    units = [(v, o, p) for v, o in variants for p in order]
+    bar = _Bar(len(units), progress)
+    ndone = sum((v, p) in done for v, _, p in units)
+    bar(ndone, "")
+    aversion = ErrorAversion() if cfg.error_aversion else None
+    cache: dict = {}
+    for v, opts, p in units:
+        if (v, p) in done:
+            continue
+        if cache.get("variant") != v:
+            cache = {"variant": v, "batch": _variant_batch(cfg, opts), "eta": {}}
+        nominal, batch, util = cache["batch"]
+        pol = policy_from_name(p)
+        if p == "mnlb":
+            pol = MNLB(update_period=cfg.mnlb_period, utilisation_cap=cfg.mnlb_cap)
+        if p.startswith("flow"):
+            eta_s = _step_sizes(cfg, nominal, p)
+        else:
+            eta_s = np.ones(cfg.scenarios)
+        eta = np.repeat(eta_s, cfg.trials)
+        bar(ndone, f"{v} {p}")
+        sol = _simulate_unit(cfg, batch, pol, eta, aversion)
+        lat = np.asarray(sol.mean_latency(window=1.0))
+        err = np.asarray(sol.error_rate(window=1.0))
+        status = sol.status_names()
+        n_cells = np.asarray(batch.cell_mask).sum(axis=-1)
+        new = []
+        for k in range(expected):
+            s, t = divmod(k, cfg.trials)
+            ok = status[k] == "success" and math.isfinite(lat[k])
+            new.append(
+                {
+                    "experiment": cfg.experiment,
+                    "variant": v,
+                    "policy": p,
+                    "scenario": s,
+                    "trial": t,
+                    "n_cells": int(n_cells[k]),
+                    "utilisation": f"{util[s]:.6g}",
+                    "step_size": f"{eta[k]:.6g}" if p.startswith("flow") else "",
+                    "mean_latency": f"{lat[k]:.10g}" if ok else "",
+                    "error_rate": f"{err[k]:.10g}" if ok else "",
+                    "status": status[k]
+                    if ok
+                    else (status[k] if status[k] != "success" else "nonfinite"),
+                }
+            )
+        _append(rpath, new)
+        ndone += 1
+        bar(ndone, f"{v} {p}")
+    rows = _read_rows(rpath)
+    summary = summarise(rows, order)
+    with open(out / "summary.csv", "w", newline="") as f:
+        if summary:
+            w = csv.DictWriter(f, fieldnames=list(summary[0]))
+            w.writeheader()
+            w.writerows(summary)
+    result = {"experiment": cfg.experiment, "config": cfg.to_json(), "summary": summary}
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot_summary(
+        summary,
+        out / f"{cfg.experiment}.png",
+        title=f"dlbfluid experiment "
+        f"{cfg.experiment}: {cfg.scenarios} scenarios x {cfg.trials} trials",
+    )
+    return result
+
+
+def _simulate_unit(cfg, batch, pol, eta, aversion):
+    from ._simulate import simulate
+
+    return simulate(
+        batch,
+        pol,
+        step_size=eta[:, None],
+        tick=cfg.tick,
+        horizon=cfg.horizon,
+        n_save=10,
+        error_aversion=aversion,
+        throw=False,
+    )

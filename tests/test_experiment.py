@@ -1,0 +1,177 @@
+"""`dlbfluid experiment`: the runner's files, resumption, normalisation and JSON contract."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+import dlbfluid as dl
+from dlbfluid import _experiment as ex
+from dlbfluid._cli import main
+
+POLS = ("rand", "mnlb", "disc-lat", "flow-grad")
+
+
+def small(**kw):
+    base = dict(experiment="burst", scenarios=2, trials=1, horizon=6.0, tick=0.1, policies=POLS)
+    base.update(kw)
+    return ex.ExperimentConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("exp")
+    res = ex.run_experiment(small(), out)
+    return out, res
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_files_and_rows(first_run):
+    out, res = first_run
+    rows = _rows(out / "results.csv")
+    assert len(rows) == 2 * len(POLS)
+    assert [r["policy"] for r in rows[:2]] == ["rand", "rand"]  # Rand first: the reference
+    assert {(r["policy"], r["scenario"]) for r in rows} == {
+        (p, str(s)) for p in POLS for s in range(2)
+    }
+    assert all(r["status"] == "success" for r in rows)
+    assert (out / "burst.png").stat().st_size > 0
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(res))
+    by = {s["policy"]: s for s in res["summary"]}
+    assert by["rand"]["normalized_latency"] == 1.0
+    # Flow rows record the step size actually used: 0.3 eta* > 0.
+    assert all(float(r["step_size"]) > 0 for r in rows if r["policy"] == "flow-grad")
+
+
+def test_rand_rows_match_a_direct_simulation(first_run):
+    # The runner's Rand latency is the plain simulator's on the same generated scenario.
+    out, _ = first_run
+    from dlbfluid._generator import generate, scenario_dicts
+
+    gen = generate(0, 2)
+    d = scenario_dicts(gen, event="burst", trial=0, horizon=6.0, fluctuation=0.1)[1]
+    sol = dl.simulate(
+        dl.scenario_from_dict(d, allow_overload=True),
+        "rand",
+        tick=0.1,
+        horizon=6.0,
+        n_save=10,
+        error_aversion=dl.ErrorAversion(),
+    )
+    row = [r for r in _rows(out / "results.csv") if r["policy"] == "rand"][1]
+    assert float(row["mean_latency"]) == pytest.approx(float(sol.mean_latency(1.0)), rel=1e-9)
+
+
+def test_resume_after_a_kill_recomputes_only_the_torn_unit(first_run, tmp_path, monkeypatch):
+    out, _ = first_run
+    rows = _rows(out / "results.csv")
+    # A copy killed while writing the last unit: one of its rows lost, a torn line left.
+    text = (out / "results.csv").read_text().splitlines(keepends=True)
+    (tmp_path / "config.json").write_text((out / "config.json").read_text())
+    (tmp_path / "results.csv").write_text("".join(text[:-1]) + text[-1][:7])
+    calls = []
+    real = ex._simulate_unit
+    monkeypatch.setattr(ex, "_simulate_unit", lambda *a: calls.append(a[2].name) or real(*a))
+    ex.run_experiment(small(), tmp_path)
+    assert calls == [POLS[-1]]
+    again = _rows(tmp_path / "results.csv")
+    key = lambda r: (r["policy"], r["scenario"])  # noqa: E731
+    assert sorted(again, key=key) == sorted(rows, key=key)  # no loss, no duplicate
+
+
+def test_a_different_config_in_the_same_directory_is_refused(first_run):
+    out, _ = first_run
+    with pytest.raises(ValueError, match="holds a different experiment"):
+        ex.run_experiment(small(trials=2), out)
+
+
+def test_summary_normalises_per_scenario_and_trial():
+    rows = []
+    lat = {"rand": [2.0, 4.0, 1.0], "flow-grad": [1.0, 3.0, 1.5]}
+    err = {"rand": [0.1, 0.0, 0.0], "flow-grad": [0.0, 0.0, 0.3]}
+    for p in lat:
+        for s in range(3):
+            rows.append(
+                {
+                    "variant": "v",
+                    "policy": p,
+                    "scenario": str(s),
+                    "trial": "0",
+                    "mean_latency": str(lat[p][s]),
+                    "error_rate": str(err[p][s]),
+                    "status": "success",
+                }
+            )
+    rows.append(dict(rows[-1], scenario="3", status="nonfinite", mean_latency=""))
+    summ = {s["policy"]: s for s in ex.summarise(rows)}
+    ratio = np.array([0.5, 0.75, 1.5])
+    g = summ["flow-grad"]
+    assert g["normalized_latency"] == pytest.approx(ratio.mean(), rel=1e-15)
+    assert g["normalized_latency_p90"] == pytest.approx(np.percentile(ratio, 90), rel=1e-15)
+    assert g["error_rate"] == pytest.approx(0.1, rel=1e-15)
+    assert (g["runs"], g["failed"]) == (4, 1)
+    assert summ["rand"]["normalized_latency"] == 1.0
+
+
+def test_bad_configs_name_the_field():
+    with pytest.raises(ValueError, match="experiment = 'nope'"):
+        ex.ExperimentConfig("nope")
+    with pytest.raises(ValueError, match="'rand' is required"):
+        ex.ExperimentConfig("baseline", policies=("flow-grad",))
+    with pytest.raises(ValueError, match="horizon = 1.03"):
+        ex.ExperimentConfig("baseline", horizon=1.03, tick=0.05)
+    with pytest.raises(ValueError, match="scenarios = 0"):
+        ex.ExperimentConfig("baseline", scenarios=0)
+
+
+def test_cli_json_contract(first_run, capsys):
+    out, res = first_run
+    code = main(
+        [
+            "experiment",
+            "burst",
+            "--scenarios",
+            "2",
+            "--trials",
+            "1",
+            "--horizon",
+            "6",
+            "--tick",
+            "0.1",
+            "--policies",
+            *POLS,
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
+    assert code == 0
+    got = json.loads(capsys.readouterr().out)
+    assert set(got) == {"experiment", "config", "summary", "out"}
+    assert got["summary"] == res["summary"]  # resumed: nothing recomputed, same numbers
+    assert set(got["summary"][0]) == {
+        "variant",
+        "policy",
+        "runs",
+        "failed",
+        "normalized_latency",
+        "normalized_latency_p10",
+        "normalized_latency_p50",
+        "normalized_latency_p90",
+        "mean_latency",
+        "error_rate",
+        "error_rate_p90",
+    }
+
+
+def test_cli_rejects_bad_policy(capsys, tmp_path):
+    code = main(["experiment", "baseline", "--policies", "flow-grad", "--out", str(tmp_path)])
+    assert code == 2
+    assert "'rand' is required" in capsys.readouterr().err
