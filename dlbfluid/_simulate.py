@@ -23,6 +23,7 @@ buffers of past routings and of the workloads at those offsets. Two integrators:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -306,10 +307,44 @@ def _scale_at(scn, t):
     )
 
 
-def _run_ticks(scn, eta, h, carry, k0, k1, aux, *, policy, integrator, hist, aversion):
+def _profile_window(scn, t_lo, width: int):
+    """The scenario with each arrival profile cut to the `width` breakpoints starting at the
+    last one at or before `t_lo`: exact for every integral inside `[t_lo, t_lo + span]` when
+    `width` counts the breakpoints of any such span (`_window_width`)."""
+    P = scn.arrival_times.shape[-1]
+    if width >= P:
+        return scn
+
+    def cut(ts, rs):
+        start = jnp.clip(jnp.searchsorted(ts, t_lo, side="right") - 1, 0, P - width)
+        return (
+            jax.lax.dynamic_slice_in_dim(ts, start, width),
+            jax.lax.dynamic_slice_in_dim(rs, start, width),
+        )
+
+    ts, rs = jax.vmap(cut)(scn.arrival_times, scn.arrival_rates)
+    return dataclasses.replace(scn, arrival_times=ts, arrival_rates=rs)
+
+
+def _window_width(times: np.ndarray, span: float) -> int:
+    """Breakpoints a tick can touch: 2 + the most breakpoints of one profile in any
+    half-open interval of length `span` (static, from the padded batch)."""
+    t = np.asarray(times, dtype=float).reshape(-1, times.shape[-1])
+    P = t.shape[-1]
+    if P <= 4:
+        return P
+    most = 0
+    for row in t:  # Python over profiles, before tracing: not a hot path
+        ends = np.searchsorted(row, row + span * (1 + 1e-9), side="right")
+        most = max(most, int((ends - np.arange(P)).max()))
+    return int(min(P, most + 2))
+
+
+def _run_ticks(scn, eta, h, carry, k0, k1, aux, *, policy, integrator, hist, aversion, window):
     """Advance one scenario from tick `k0` to tick `k1` (dynamic bounds)."""
     n = scn.n_cells
     dtype = scn.latency.dtype
+    full = scn
     g = _setup(scn, eta, h, policy, hist)
     tau, m, r, offsets, step = g["tau"], g["m"], g["r"], g["offsets"], g["step"]
     allowed = scn.allowed
@@ -319,6 +354,8 @@ def _run_ticks(scn, eta, h, carry, k0, k1, aux, *, policy, integrator, hist, ave
     def tick(k, carry):
         (N, x_ring, obs_ring, acc, status, change, extra) = carry
         tk = k.astype(dtype) * h
+        # Only the breakpoints in [t_k - max tau, t_k + h] matter inside this tick.
+        scn = _profile_window(full, tk - jnp.max(tau), window)
         xprev = x_ring[(k - m - 1) % hist, I, J]
         xcur = x_ring[(k - m) % hist, I, J]
         # Replica changes take effect on the tick whose midpoint has passed them.
@@ -399,14 +436,14 @@ def _record(scn, eta, h, carry, k, *, policy, hist):
 
 @eqx.filter_jit
 def _simulate_batch(
-    scn, eta, h, save_ticks, *, policy, integrator, hist, progress, horizon, aversion
+    scn, eta, h, save_ticks, *, policy, integrator, hist, progress, horizon, aversion, window
 ):
     kw = dict(policy=policy, hist=hist)
     carry0 = jax.vmap(lambda s, e, hh: _init_carry(s, e, hh, **kw))(scn, eta, h)
     aux = jax.vmap(lambda s, hh: policy.prepare(s, hh, horizon))(scn, h)
     run = jax.vmap(
         lambda s, e, hh, c, a, b, x: _run_ticks(
-            s, e, hh, c, a, b, x, integrator=integrator, aversion=aversion, **kw
+            s, e, hh, c, a, b, x, integrator=integrator, aversion=aversion, window=window, **kw
         )
     )
     rec = jax.vmap(lambda s, e, hh, c, k: _record(s, e, hh, c, k, **kw))
@@ -570,6 +607,7 @@ def simulate(
     )
     tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
     hist = _hist_len(float((tau.reshape(Bb, -1).max(axis=1) / h_b).max()))
+    window = _window_width(np.asarray(scn.arrival_times), float(tau.max() + 2.0 * h_b.max()))
 
     # Shard the batch over every device; pad the batch to a multiple of the device count.
     ndev = jax.device_count()
@@ -607,6 +645,7 @@ def simulate(
         # Only a policy that precomputes a schedule depends on the horizon at trace time.
         horizon=T if type(pol).prepare is not AbstractPolicy.prepare else None,
         aversion=error_aversion,
+        window=window,
     )
     if pad:
         rec, status, change = jax.tree_util.tree_map(lambda a: a[:Bb], (rec, status, change))

@@ -207,3 +207,22 @@ def test_an_outage_shrinks_the_queue_with_the_servers():
     mu_full = 10 * 0.2 / (1 + 0.4)
     rate = float(sol.drops[-1, 0] - sol.drops[15, 0]) / 5.0
     assert rate == pytest.approx(2.0 - mu_full, rel=1e-9)
+
+
+def test_profile_window_is_exact(monkeypatch):
+    # Generated scenarios carry ~60 arrival breakpoints; each tick integrates over a window
+    # of a few of them. Forcing the full profile must give the same trajectory.
+    from dlbfluid import _simulate as sim
+    from dlbfluid._generator import generate, scenario_dicts
+
+    d = scenario_dicts(generate(3, 1, max_cells=4), event="spikes", trial=1, horizon=120.0)[0]
+    scn = dl.scenario_from_dict(d, allow_overload=True)
+    P = scn.arrival_times.shape[-1]
+    assert P > 12
+    assert sim._window_width(np.asarray(scn.arrival_times), 0.3) < P / 2
+    kw = dict(step_size=0.5, tick=0.1, horizon=120.0, n_save=12)
+    a = dl.simulate(scn, "flow-grad", **kw)
+    monkeypatch.setattr(sim, "_window_width", lambda t, span: t.shape[-1])
+    b = dl.simulate(scn, "flow-grad", **kw)
+    np.testing.assert_allclose(np.asarray(a.N), np.asarray(b.N), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(a.arrivals), np.asarray(b.arrivals), rtol=1e-12)
