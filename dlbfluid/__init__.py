@@ -20,6 +20,10 @@ from ._equilibrium import solve_equilibrium as solve_equilibrium
 from ._equilibrium_grad import equilibrium_sensitivities as equilibrium_sensitivities
 from ._errors import OverloadError as OverloadError
 from ._errors import ScenarioError as ScenarioError
+from ._estimation import FitInfo as FitInfo
+from ._estimation import fit_latency_model as fit_latency_model
+from ._estimation import perturb_service as perturb_service
+from ._estimation import sample_latency as sample_latency
 from ._experiment import ExperimentConfig as ExperimentConfig
 from ._experiment import run_experiment as run_experiment
 from ._generator import GeneratedScenarios as GeneratedScenarios

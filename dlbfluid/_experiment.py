@@ -40,6 +40,7 @@ POLICIES = (
 )
 UTILISATIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 NOISE_LEVELS = (0.0, 0.1, 0.25, 0.5)
+FIT_SAMPLES = 500
 
 
 def _variants(kind: str) -> list[tuple[str, dict]]:
@@ -54,7 +55,7 @@ def _variants(kind: str) -> list[tuple[str, dict]]:
     if kind in ("burst", "outage", "spikes"):
         return [(kind, {"event": kind})]
     if kind == "noise":
-        return [(f"eps={e:g}", {"noise": e}) for e in NOISE_LEVELS]
+        return [(f"eps={e:g}", {"noise": e}) for e in NOISE_LEVELS] + [("fitted", {"fit": True})]
     raise ValueError(f"experiment = {kind!r} is invalid: allowed experiments are {list(KINDS)}")
 
 
@@ -187,8 +188,40 @@ def _variant_batch(cfg: ExperimentConfig, options: dict):
             for s in range(cfg.scenarios)
         ]
         scns = [dataclasses.replace(sc, estimate=est[k // cfg.trials]) for k, sc in enumerate(scns)]
+    if options.get("fit"):
+        scns = _with_fitted_models(cfg, scns)
     util = gen.total_utilisation()
     return nominal, stack_scenarios(scns), np.asarray(util, dtype=float)
+
+
+def _with_fitted_models(cfg: ExperimentConfig, scns: list) -> list:
+    """Routers use softplus models fitted (`fit_latency_model`) to `FIT_SAMPLES` noisy
+    latency samples per cell (`sample_latency`, 5% lognormal noise), one fit per cell of
+    every scenario in one vmapped call; the same fit for all trials of a scenario."""
+    import jax
+    import jax.numpy as jnp
+
+    from ._estimation import fit_latency_model, sample_latency
+
+    firsts = [scns[s * cfg.trials] for s in range(cfg.scenarios)]
+    sizes = [int(np.asarray(f.cell_mask).sum()) for f in firsts]
+    flat = jax.tree_util.tree_map(
+        lambda *a: jnp.concatenate(a), *[_cells(f.service, n) for f, n in zip(firsts, sizes)]
+    )
+    N, y = sample_latency(flat, cfg.seed, FIT_SAMPLES, noise=0.05)
+    fitted, _ = fit_latency_model(N, y)
+    bounds = np.cumsum([0] + sizes)
+    est = [
+        jax.tree_util.tree_map(lambda a, lo=lo, hi=hi: a[lo:hi], fitted)
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]
+    return [dataclasses.replace(sc, estimate=est[k // cfg.trials]) for k, sc in enumerate(scns)]
+
+
+def _cells(service, n):
+    import jax
+
+    return jax.tree_util.tree_map(lambda a: a[:n], service)
 
 
 def _step_sizes(cfg: ExperimentConfig, nominal, policy: str) -> np.ndarray:

@@ -175,3 +175,23 @@ def test_cli_rejects_bad_policy(capsys, tmp_path):
     code = main(["experiment", "baseline", "--policies", "flow-grad", "--out", str(tmp_path)])
     assert code == 2
     assert "'rand' is required" in capsys.readouterr().err
+
+
+def test_noise_variants_change_only_the_routers_models():
+    cfg = ex.ExperimentConfig("noise", scenarios=2, trials=2, horizon=6.0, tick=0.1)
+    _, clean, _ = ex._variant_batch(cfg, {"noise": 0.0})
+    _, noisy, _ = ex._variant_batch(cfg, {"noise": 0.25})
+    np.testing.assert_array_equal(np.asarray(noisy.service.capacity),
+                                  np.asarray(clean.service.capacity))
+    np.testing.assert_array_equal(np.asarray(clean.estimate.capacity),
+                                  np.asarray(clean.service.capacity))
+    # capacity = 1/beta and beta is scaled by 1 + eps*xi: the ratio lies in 1/[0.75, 1.25],
+    # one draw per scenario, shared by its trials.
+    mask = np.asarray(noisy.cell_mask)
+    r = np.asarray(noisy.estimate.capacity / noisy.service.capacity)[mask]
+    assert np.all((r >= 1 / 1.25 - 1e-12) & (r <= 1 / 0.75 + 1e-12)) and np.std(r) > 0.01
+    np.testing.assert_array_equal(np.asarray(noisy.estimate.capacity[0]),
+                                  np.asarray(noisy.estimate.capacity[1]))
+    _, fitted, _ = ex._variant_batch(cfg, {"fit": True})
+    r = np.asarray(fitted.estimate.capacity / fitted.service.capacity)[mask]
+    assert np.all(np.abs(r - 1) < 0.1)  # fits from 500 samples at 5% noise

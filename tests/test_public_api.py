@@ -14,7 +14,8 @@ EXPECTED = {
     "symmetric_critical_step_size", "random_network", "verify", "EQ_STATUS",
     "EquilibriumError", "EquilibriumSolution", "price_of_anarchy", "solve_equilibrium",
     "equilibrium_sensitivities", "ErrorAversion", "ExperimentConfig", "run_experiment",
-    "GeneratedScenarios", "generate", "scenario_dicts", "MNLB",
+    "GeneratedScenarios", "generate", "scenario_dicts", "MNLB", "FitInfo", "fit_latency_model",
+    "perturb_service", "sample_latency",
 }
 
 
