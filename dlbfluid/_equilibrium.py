@@ -60,6 +60,8 @@ _IPM_SWITCH = 1e-6  # ... and on the first try (a failed early polish resumes st
 _RETRY = 1e-2  # first polish failed: best scaled residual above this times `tol`
 _IPM_FEAS = 1e-8  # relative demand residual below which a point may count as centred
 _POLISH_ITERS = 8
+_SHRINK = 0.01  # barrier weight factor after a centred point
+_CENTRED = 0.25  # Newton decrement below which a feasible point counts as centred
 _POLISH_REG = 1e-9  # proximal weight of the polish step, relative to the cell curvature
 _POLISH_DONE = 1e-14  # scaled residual at which the polish stops early
 _TINY = 1e-300
@@ -415,16 +417,16 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
     support at the same relative rate). The workloads are always exact, $N = \\mu^{-1}(z)$,
     so $F_j(z_j)$ is itself a barrier at $z_j \\to \\bar\\mu_j$. Each iteration solves the
     Newton system $(\\nabla^2\\Psi + SY^{-1})\\Delta y - R^T\\Delta\\nu = -(\\nabla\\phi_\\tau -
-    R^T\\nu)$, $R\\Delta y = -r^p$ (`_newton_direction` with $E = y/s$, where the dual estimate
-    $s = \\tau' w/y$ uses the barrier weight $\\tau'$ of the previous iteration, so that the
-    first step after $\\tau$ shrinks moves $y_{ij} \\to \\tau w_{ij}/s_{ij}$ on inactive arcs in
-    one go). For any $s > 0$ this is a descent direction of the merit
+    R^T\\nu)$, $R\\Delta y = -r^p$ (`_newton_direction` with $E = y/s$; the duals start at
+    $s = \\tau w/y$ and then take their own Newton step
+    $\\Delta s = \\tau w/y - s - s\\Delta y/y$, at most 0.995 of the way to $s = 0$). For any
+    $s > 0$ this is a descent direction of the merit
     $\\psi(\\alpha) = \\phi_\\tau(y + \\alpha\\Delta y) + \\rho(1-\\alpha)\\|r^p\\|_1$,
     $\\rho > \\|\\nu + \\Delta\\nu\\|_\\infty$; the step is at most 0.995 of the way to the boundary of
     $y \\ge 0$ and $z \\le \\bar\\mu$ and halves until the trapezoid estimate of the decrease of
     $\\psi$ (from its slope alone, so no potential values are needed) passes Armijo's test.
-    When the point is feasible and centred (Newton decrement $\\le 1/4$), $\\tau$ shrinks 10x
-    (100x after a full, well-centred step); the stage ends when the per-source duality gap
+    When the point is feasible and centred (Newton decrement $\\le 1/4$), $\\tau$ shrinks
+    100x; the stage ends when the per-source duality gap
     $\\tau\\deg(i)$ is below `_IPM_SWITCH` (`_IPM_TOL` on a second try), or the line search
     fails, or after `max_iters`.
 
@@ -487,15 +489,20 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         keep_tau=jnp.asarray(1.0, lam.dtype),
     )
 
-    def cond(st):
+    def cond_ipm(st):
+        return st["phase"] == 0
+
+    def cond_polish(st):
         # One more pass than there are polish steps: the last pass only scores its point.
         # Under vmap the loop runs until every scenario is done: a scenario whose polish
         # has reached rounding level stops early.
-        return (st["pol"] <= _POLISH_ITERS) & (st["best_m"] > _POLISH_DONE)
+        return (st["phase"] == 1) & (st["pol"] <= _POLISH_ITERS) & (st["best_m"] > _POLISH_DONE)
 
-    def body(st):
+    def body(st, stage1: bool):
+        # One loop per stage: `ipm` is a constant of each loop's body, so the compiled
+        # body of each stage carries only that stage's work.
         y, s, nu, N, w, tau = st["y"], st["s"], st["nu"], st["N"], st["w"], st["tau"]
-        ipm = st["phase"] == 0
+        ipm = jnp.asarray(stage1)
         z = jnp.sum(jnp.where(A, y, 0.0), axis=0)
         # Stage 1 keeps N exact; stage 2 carries N as an unknown of the joint system
         # (cells left without active arcs have z = 0 and so N = 0 exactly).
@@ -574,15 +581,18 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         y1 = jnp.where(good, jnp.where(A, y + a * dy, 0.0), y)
         N1 = jnp.where(good, Nt, N)
         rp_new = jnp.where(good, (1.0 - a) * rp, rp)
-        centred = (jnp.max(jnp.abs(rp_new) / lsrc) <= _IPM_FEAS) & ((dec <= 0.25) | flat)
+        centred = (jnp.max(jnp.abs(rp_new) / lsrc) <= _IPM_FEAS) & ((dec <= _CENTRED) | flat)
         conv = centred & (tau * deg <= jnp.where(st["retry"], _IPM_SWITCH, _IPM_TOL))
-        shrink = jnp.where((a >= 0.999) & (dec <= 1e-2), 0.01, 0.1)
         lower = centred & ~conv
-        tau1 = jnp.where(lower, tau * shrink, tau)
+        tau1 = jnp.where(lower, tau * _SHRINK, tau)
         cbar1, _ = levels(jnp.where(good, ct, c))
         w1 = jnp.where(lower, jnp.where(A, (lsrc * cbar1)[:, None], 0.0), w)
         y1s = jnp.where(A, y1, 1.0)
-        s1 = jnp.where(A, tau * w1 / y1s, 0.0)
+        # Dual step of the primal-dual system: S dy + Y ds = tau w - Y S, at most 0.995 of
+        # the way to s = 0.
+        ds = jnp.where(A, bw / ysafe - s - s * dy / ysafe, 0.0)
+        a_s = jnp.minimum(1.0, 0.995 * _step_to_boundary(s, ds, A))
+        s1 = jnp.where(good, jnp.where(A, s + a_s * ds, 0.0), s)
         end_ipm = conv | ~(good | flat) | (st["it"] + 1 >= max_iters)
         # Support for stage 2: y_ij / lambda_i against s_ij / cbar_i, plus the largest arc
         # of every source; everything else is switched off.
@@ -656,7 +666,11 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
             out[k] = jnp.where(back, v, out[k])
         return out
 
-    st = jax.lax.while_loop(cond, body, st0)
+    # Stage 1, stage 2, and (only for scenarios whose early polish failed) both again.
+    st = st0
+    for _ in range(2):
+        st = jax.lax.while_loop(cond_ipm, lambda st: body(st, True), st)
+        st = jax.lax.while_loop(cond_polish, lambda st: body(st, False), st)
     cert = _certify(pb, st["best_y"], st["best_N"])
     cert["iterations"] = st["it"] + st["ptot"]
     # success: certified; not_converged: the interior point stopped early (iteration cap
@@ -823,6 +837,32 @@ def _check_overload(scn: Scenario, time: float) -> None:
             raise
 
 
+@eqx.filter_jit
+def _prepare(scn: Scenario, time, Bb: int) -> Scenario:
+    """float64 arrays, constant rates $\\lambda(\\texttt{time})$ (so the profile length is
+    not a shape of the compiled solver) and the batch padded to `Bb` with copies of its
+    last scenario; one compiled call instead of many small dispatches."""
+    scn = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
+    )
+    lam = jax.vmap(lambda s: s.arrival_rate(time))(scn)
+    scn = dataclasses.replace(
+        scn, arrival_times=jnp.zeros_like(lam)[..., None], arrival_rates=lam[..., None]
+    )
+    B = scn.batch_shape[0]
+    if Bb > B:
+        scn = jax.tree_util.tree_map(
+            lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], Bb - B, 0)]), scn
+        )
+    return scn
+
+
+@eqx.filter_jit
+def _take(tree, B: int):
+    """The first `B` scenarios of every array (one compiled call)."""
+    return jax.tree_util.tree_map(lambda a: a[:B], tree)
+
+
 def solve_equilibrium(
     scenario: Scenario,
     cost: str,
@@ -875,24 +915,12 @@ def solve_equilibrium(
     else:
         scn = pad_scenario(scenario, _bucket(n)).strip()
         scn = jax.tree_util.tree_map(lambda a: a[None], scn)
-    scn = jax.tree_util.tree_map(
-        lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
-    )
-    # The solver sees constant rates lambda(time): the profile length is not a shape of
-    # the compiled program.
-    lam = jax.vmap(lambda s: s.arrival_rate(time))(scn)
-    scn = dataclasses.replace(
-        scn, arrival_times=jnp.zeros_like(lam)[..., None], arrival_rates=lam[..., None]
-    )
     B = scn.batch_shape[0]
     # Pad the batch to a bucket size that is a multiple of the device count, so that
     # nearby batch sizes (and every unbatched call) share one compiled solver.
     ndev = jax.device_count()
     Bb = _batch_bucket(B, ndev)
-    if Bb > B:
-        scn = jax.tree_util.tree_map(
-            lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], Bb - B, 0)]), scn
-        )
+    scn = _prepare(scn, jnp.asarray(time, jnp.float64), Bb)
     scn = shard_batch(scn)
     lam = scn.arrival_rates[..., 0]
     out = _solve_batch(
@@ -902,9 +930,9 @@ def solve_equilibrium(
         jnp.asarray(max_iters, jnp.int32),
         cost=cost,
     )
-    out = jax.tree_util.tree_map(lambda a: a[:B], out)
+    out, mask = _take((out, scn.cell_mask), B)
     sol = EquilibriumSolution(
-        cell_mask=scn.cell_mask[:B],
+        cell_mask=mask,
         cost=cost,
         cell_names=tuple(scenario.cell_names) if not batched else (),
         **out,
