@@ -191,7 +191,8 @@ def _variant_batch(cfg: ExperimentConfig, options: dict):
     if options.get("fit"):
         scns = _with_fitted_models(cfg, scns)
     util = gen.total_utilisation()
-    return nominal, stack_scenarios(scns), np.asarray(util, dtype=float)
+    # Pad to the generator's largest size so every variant reuses one compilation.
+    return nominal, stack_scenarios(scns, n_cells=gen.max_cells), np.asarray(util, dtype=float)
 
 
 def _with_fitted_models(cfg: ExperimentConfig, scns: list) -> list:

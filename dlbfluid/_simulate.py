@@ -326,17 +326,26 @@ def _profile_window(scn, t_lo, width: int):
     return dataclasses.replace(scn, arrival_times=ts, arrival_rates=rs)
 
 
-def _window_width(times: np.ndarray, span: float) -> int:
+def _window_width(times: np.ndarray, span: float, rates: np.ndarray | None = None) -> int:
     """Breakpoints a tick can touch: 2 + the most breakpoints of one profile in any
-    half-open interval of length `span` (static, from the padded batch)."""
+    half-open interval of length `span` (static, from the padded batch).
+
+    A trailing run of identical breakpoints (padding to a common `P`, or a padded cell) is
+    counted once: a window that ends inside such a run still ends on the profile's last
+    breakpoint, so it stays exact.
+    """
     t = np.asarray(times, dtype=float).reshape(-1, times.shape[-1])
+    r = t * 0 if rates is None else np.asarray(rates, dtype=float).reshape(t.shape)
     P = t.shape[-1]
     if P <= 4:
         return P
     most = 0
-    for row in t:  # Python over profiles, before tracing: not a hot path
+    for row, rr in zip(t, r):  # Python over profiles, before tracing: not a hot path
+        same = (row[1:] == row[-1]) & (rr[1:] == rr[-1])
+        keep = P - int(np.flip(same).cumprod().sum())  # drop the trailing identical run
+        row = row[:keep]
         ends = np.searchsorted(row, row + span * (1 + 1e-9), side="right")
-        most = max(most, int((ends - np.arange(P)).max()))
+        most = max(most, int((ends - np.arange(keep)).max()))
     return int(min(P, most + 2))
 
 
@@ -607,7 +616,11 @@ def simulate(
     )
     tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
     hist = _hist_len(float((tau.reshape(Bb, -1).max(axis=1) / h_b).max()))
-    window = _window_width(np.asarray(scn.arrival_times), float(tau.max() + 2.0 * h_b.max()))
+    window = _window_width(
+        np.asarray(scn.arrival_times),
+        float(tau.max() + 2.0 * h_b.max()),
+        np.asarray(scn.arrival_rates),
+    )
 
     # Shard the batch over every device; pad the batch to a multiple of the device count.
     ndev = jax.device_count()

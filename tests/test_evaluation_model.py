@@ -220,9 +220,18 @@ def test_profile_window_is_exact(monkeypatch):
     P = scn.arrival_times.shape[-1]
     assert P > 12
     assert sim._window_width(np.asarray(scn.arrival_times), 0.3) < P / 2
+    # Padding (a repeated last breakpoint, or a padded cell of zeros) does not widen it.
+    batch = dl.stack_scenarios([scn, dl.scenario_from_dict(one_cell(lam=2.0, buffer=None))],
+                               n_cells=6)
+    assert sim._window_width(np.asarray(batch.arrival_times), 0.3,
+                             np.asarray(batch.arrival_rates)) < P / 2
     kw = dict(step_size=0.5, tick=0.1, horizon=120.0, n_save=12)
     a = dl.simulate(scn, "flow-grad", **kw)
-    monkeypatch.setattr(sim, "_window_width", lambda t, span: t.shape[-1])
+    monkeypatch.setattr(sim, "_window_width", lambda t, span, r=None: t.shape[-1])
     b = dl.simulate(scn, "flow-grad", **kw)
     np.testing.assert_allclose(np.asarray(a.N), np.asarray(b.N), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(np.asarray(a.arrivals), np.asarray(b.arrivals), rtol=1e-12)
+    # And in a padded batch with a constant-rate scenario.
+    c = dl.simulate(batch, "flow-grad", **kw)
+    np.testing.assert_allclose(np.asarray(c.N[0])[:, : scn.n_cells], np.asarray(b.N),
+                               rtol=1e-12, atol=1e-12)
