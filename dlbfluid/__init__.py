@@ -34,6 +34,9 @@ from ._lyapunov import fit_theorem1 as fit_theorem1
 from ._lyapunov import lyapunov_diagnostics as lyapunov_diagnostics
 from ._lyapunov import workload_gap as workload_gap
 from ._lyapunov import workload_potential as workload_potential
+from ._mnlb import MNLB_STATUS as MNLB_STATUS
+from ._mnlb import MNLBInfo as MNLBInfo
+from ._mnlb import mnlb_weights as mnlb_weights
 from ._policies import MNLB as MNLB
 from ._policies import POLICY_NAMES as POLICY_NAMES
 from ._policies import AbstractPolicy as AbstractPolicy

@@ -15,7 +15,7 @@ EXPECTED = {
     "EquilibriumError", "EquilibriumSolution", "price_of_anarchy", "solve_equilibrium",
     "equilibrium_sensitivities", "ErrorAversion", "ExperimentConfig", "run_experiment",
     "GeneratedScenarios", "generate", "scenario_dicts", "MNLB", "FitInfo", "fit_latency_model",
-    "perturb_service", "sample_latency",
+    "perturb_service", "sample_latency", "MNLB_STATUS", "MNLBInfo", "mnlb_weights",
 }
 
 
