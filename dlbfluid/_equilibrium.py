@@ -58,13 +58,14 @@ _TRACES: collections.Counter = collections.Counter()
 _IPM_TOL = 1e-10  # per-source duality gap at which the polish takes over (second try)
 _IPM_SWITCH = 1e-6  # ... and on the first try (a failed early polish resumes stage 1)
 _RETRY = 1e-2  # first polish failed: best scaled residual above this times `tol`
-_IPM_FEAS = 1e-8  # relative demand residual below which a point may count as centred
+_IPM_FEAS = 1e-8  # relative demand residual below which a point counts as feasible
 _POLISH_ITERS = 8
-_SHRINK = 0.01  # barrier weight factor after a centred point
-_CENTRED = 0.25  # Newton decrement below which a feasible point counts as centred
 _POLISH_REG = 1e-9  # proximal weight of the polish step, relative to the cell curvature
 _POLISH_DONE = 1e-14  # scaled residual at which the polish stops early
 _TINY = 1e-300
+_KAPPA = 0.1  # the barrier weight stays above this times the relative demand residual
+_RD = 1.0  # hand-over: relative dual residual below this times the barrier gap target
+_CAP_FRAC = 0.8  # a step uses at most this fraction of the remaining capacity slack
 _HUGE = 1e300
 
 
@@ -204,21 +205,23 @@ def potential(cost: str, scn: Scenario, z, N):
 # ----------------------------------------------------------------------------------------
 
 
-def _mmatrix_solve(off, excess, b):
-    """Solve $Su = b$ for a symmetric M-matrix given by its off-diagonal part `off`
+def _mmatrix_factor(off, excess):
+    """Factor $S = LU$ for a symmetric M-matrix given by its off-diagonal part `off`
     ($\\le 0$, zero diagonal) and its row sums `excess` $v_i = \\sum_k S_{ik} \\ge 0$.
 
     Gaussian elimination in the GTH form: every pivot is recomputed as the remaining
     off-diagonal mass plus the row excess, and the excesses are updated as sums of
     non-negative terms, so no step subtracts nearly equal numbers (theory/equilibria.md
-    §3.2). No pivoting is needed: the matrix stays diagonally dominant.
+    §3.2). No pivoting is needed: the matrix stays diagonally dominant. Returns the
+    eliminated matrix (its strict upper part is $U$'s, its strict lower part holds the
+    eliminated column entries, $L_{ik} = $ entry $/$ pivot) and the pivots.
     """
-    n = b.shape[-1]
+    n = excess.shape[-1]
     idx = jnp.arange(n)
     offdiag = idx[:, None] != idx[None, :]
 
     def elim(k, carry):
-        A, v, rhs, piv = carry
+        A, v, piv = carry
         rem = idx > k
         p = v[k] + jnp.sum(jnp.where(rem, -A[k], 0.0))
         p = jnp.where(p > 0, p, 1.0)
@@ -226,17 +229,78 @@ def _mmatrix_solve(off, excess, b):
         upd = rem[:, None] & rem[None, :] & offdiag
         A = jnp.where(upd, A - l[:, None] * A[k][None, :], A)
         v = jnp.where(rem, v - l * v[k], v)
-        rhs = jnp.where(rem, rhs - l * rhs[k], rhs)
-        return A, v, rhs, piv.at[k].set(p)
+        return A, v, piv.at[k].set(p)
 
-    A, _, rhs, piv = jax.lax.fori_loop(0, n, elim, (off, excess, b, jnp.ones_like(b)))
+    A, _, piv = jax.lax.fori_loop(0, n, elim, (off, excess, jnp.ones_like(excess)))
+    return A, piv
+
+
+def _mmatrix_apply(A, piv, b):
+    """Solve $Su = b$ with the factors of `_mmatrix_factor`; `b` is `(n,)` or `(n, k)`."""
+    n = piv.shape[-1]
+    vec = b.ndim == 1
+    if vec:
+        b = b[:, None]
+    idx = jnp.arange(n)
+
+    def fwd(k, r):
+        l = jnp.where(idx > k, A[:, k] / piv[k], 0.0)
+        return r - l[:, None] * r[k][None, :]
+
+    rhs = jax.lax.fori_loop(0, n, fwd, b)
 
     def back(t, u):
         k = n - 1 - t
         rem = idx > k
-        return u.at[k].set((rhs[k] - jnp.sum(jnp.where(rem, A[k] * u, 0.0))) / piv[k])
+        r = rhs[k] - jnp.sum(jnp.where(rem[:, None], A[k][:, None] * u, 0.0), axis=0)
+        return u.at[k].set(r / piv[k])
 
-    return jax.lax.fori_loop(0, n, back, jnp.zeros_like(b))
+    u = jax.lax.fori_loop(0, n, back, jnp.zeros_like(b))
+    return u[:, 0] if vec else u
+
+
+def _mmatrix_solve(off, excess, b):
+    """Solve $Su = b$ for the M-matrix of `_mmatrix_factor` (`b` `(n,)` or `(n, k)`)."""
+    return _mmatrix_apply(*_mmatrix_factor(off, excess), b)
+
+
+class _Schur(eqx.Module):
+    """The reduced Newton system of `_newton_direction`, factored once for several
+    right-hand sides."""
+
+    E: Array
+    W: Array
+    EW: Array
+    A: Array
+    piv: Array
+    src: Array
+
+    def solve(self, q, rp):
+        """`(dy, dnu)` for the right-hand side `q` `(n, n)`, `rp` `(n,)`."""
+        E, W, EW = self.E, self.W, self.EW
+        Eq = E * q
+        Q = jnp.sum(Eq, axis=0)
+        rhs = jnp.where(self.src, -rp + jnp.sum(Eq, axis=1) - EW @ Q, 0.0)
+        dnu = _mmatrix_apply(self.A, self.piv, rhs)
+        w = W * (E.T @ dnu - Q)
+        dy = E * (dnu[:, None] - w[None, :] - q)
+        return dy, dnu
+
+
+def _schur(E, P, src) -> _Schur:
+    """Eliminate $\\Delta y$ and $\\Delta z$ from the Newton system of `_newton_direction`
+    and factor the remaining M-matrix in the multipliers."""
+    n = E.shape[-1]
+    eye = jnp.eye(n, dtype=bool)
+    f = jnp.sum(E, axis=0)
+    W = 1.0 / (f + 1.0 / P)
+    EW = E * W[None, :]
+    off = -(EW @ E.T)
+    both = src[:, None] & src[None, :] & ~eye
+    off = jnp.where(both, off, 0.0)
+    excess = jnp.where(src, jnp.sum(EW / P[None, :], axis=1), 1.0)
+    A, piv = _mmatrix_factor(off, excess)
+    return _Schur(E=E, W=W, EW=EW, A=A, piv=piv, src=src)
 
 
 def _newton_direction(E, q, rp, P, src):
@@ -250,22 +314,7 @@ def _newton_direction(E, q, rp, P, src):
     $S_{ik} = -\\sum_j E_{ij}W_jE_{kj}$ ($i \\ne k$) and row sums $\\sum_j E_{ij}W_j/P_j$
     (theory/equilibria.md §3.2). Rows of sources without demand are the identity.
     """
-    n = q.shape[-1]
-    eye = jnp.eye(n, dtype=bool)
-    f = jnp.sum(E, axis=0)
-    W = 1.0 / (f + 1.0 / P)
-    Eq = E * q
-    Q = jnp.sum(Eq, axis=0)
-    EW = E * W[None, :]
-    off = -(EW @ E.T)
-    both = src[:, None] & src[None, :] & ~eye
-    off = jnp.where(both, off, 0.0)
-    excess = jnp.where(src, jnp.sum(EW / P[None, :], axis=1), 1.0)
-    rhs = jnp.where(src, -rp + jnp.sum(Eq, axis=1) - EW @ Q, 0.0)
-    dnu = _mmatrix_solve(off, excess, rhs)
-    w = W * (E.T @ dnu - Q)
-    dy = E * (dnu[:, None] - w[None, :] - q)
-    return dy, dnu
+    return _schur(E, P, src).solve(q, rp)
 
 
 def _step_to_boundary(v, dv, mask):
@@ -423,12 +472,16 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
     $s > 0$ this is a descent direction of the merit
     $\\psi(\\alpha) = \\phi_\\tau(y + \\alpha\\Delta y) + \\rho(1-\\alpha)\\|r^p\\|_1$,
     $\\rho > \\|\\nu + \\Delta\\nu\\|_\\infty$; the step is at most 0.995 of the way to the boundary of
-    $y \\ge 0$ and $z \\le \\bar\\mu$ and halves until the trapezoid estimate of the decrease of
-    $\\psi$ (from its slope alone, so no potential values are needed) passes Armijo's test.
-    When the point is feasible and centred (Newton decrement $\\le 1/4$), $\\tau$ shrinks
-    100x; the stage ends when the per-source duality gap
-    $\\tau\\deg(i)$ is below `_IPM_SWITCH` (`_IPM_TOL` on a second try), or the line search
-    fails, or after `max_iters`.
+    $y \\ge 0$ and 0.8 (`_CAP_FRAC`) of the way to $z \\le \\bar\\mu$ and halves until the
+    trapezoid estimate of the decrease of $\\psi$ (from its slope alone, so no potential
+    values are needed) passes Armijo's test. The weight $\\tau$ is chosen per iteration by a
+    Mehrotra-type predictor: the affine-scaling direction (same factored Schur system)
+    gives $\\mu_{aff}$, and $\\tau = \\sigma\\mu$ with $\\mu = \\sum ys/\\sum w$ and
+    $\\sigma = (\\mu_{aff}/\\mu)^3$, floored at `_KAPPA` times the relative demand residual.
+    The stage ends when the point is feasible with per-source duality gap $\\mu\\deg(i)$ and
+    relative dual residual $|c - \\nu - s|/\\bar c$ below `_IPM_SWITCH` (`_IPM_TOL` on a
+    second try), or the line search fails, or after `max_iters` (then stage 2 only scores
+    the point).
 
     **Stage 2, polish** (`phase = 1`, at most `_POLISH_ITERS` iterations, fewer once the
     scaled residual is below `_POLISH_DONE`): the support is the set
@@ -441,7 +494,7 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
     the first arc to reach zero; arcs with a clearly negative reduced cost join. The best
     point seen (smallest scaled residual) is kept. If the first polish (started at gap
     `_IPM_SWITCH`) ends with that residual above `_RETRY * tol`, stage 1 resumes once from
-    the centred point it left, now down to `_IPM_TOL` (theory/equilibria.md §3.1).
+    the point it left, now down to `_IPM_TOL` (theory/equilibria.md §3.1).
     """
     pb = _make_problem(scn, lam, cost)
     A, src, g = pb.A, pb.src, pb.g
@@ -512,13 +565,14 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         Fc, h, hN, ell, dF = pb.cells(N, z)
         c = Fc[None, :] + g
         cbar, cs = levels(c)
-        # First iteration: weights and dual estimates from the starting point.
-        w = jnp.where(st["fresh"], jnp.where(A, (lsrc * cbar)[:, None], 0.0), w)
+        if stage1:
+            # Barrier weights from the current cost levels (every iteration).
+            w = jnp.where(A, (lsrc * cbar)[:, None], 0.0)
+        # First iteration: dual estimates from the starting point.
         ysafe = jnp.where(A, y, 1.0)
         s = jnp.where(st["fresh"], jnp.where(A, tau * w / ysafe, 0.0), s)
         red = c - nu[:, None]
         act = act | (~ipm & A & (red < -1e-9 * cbar[:, None]))
-        bw = jnp.where(A, tau * w, 0.0)
         rp = jnp.where(src, jnp.sum(jnp.where(act, y, 0.0), axis=1) - lam, 0.0)
         Pt = jnp.clip(dF * ell / jnp.maximum(hN, _TINY), _TINY, _HUGE)
         Pmax = jnp.max(jnp.where(fed, Pt, 0.0))
@@ -529,19 +583,48 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
             # that a nearly flat cell, e.g. one of huge capacity, does not make E explode)
             jnp.where(act, 1.0 / (_POLISH_REG * jnp.maximum(Pt, 1e-6 * Pmax)[None, :]), 0.0),
         )
-        q = jnp.where(ipm, jnp.where(A, red - bw / ysafe, 0.0), jnp.where(act, red, 0.0))
-        shift = jnp.where(fed & ~ipm, -dF * h / jnp.maximum(hN, _TINY), 0.0)
-        dy, dnu = _newton_direction(E, q + jnp.where(A, shift[None, :], 0.0), rp, Pt, src)
+        if stage1:
+            # Mehrotra-type predictor: the affine-scaling direction (barrier weight 0) on
+            # the factored Schur system; the weight of the step is sigma * mu with
+            # sigma = (mu_aff / mu)^3 (theory/equilibria.md §3.1).
+            sw = jnp.sum(w) + _TINY
+            mu = jnp.sum(jnp.where(A, y * s, 0.0)) / sw
+            sch = _schur(E, Pt, src)
+            dy_a, _ = sch.solve(jnp.where(A, red, 0.0), rp)
+            ds_a = jnp.where(A, -s - s * dy_a / ysafe, 0.0)
+            ap = jnp.minimum(
+                1.0,
+                jnp.minimum(
+                    _step_to_boundary(y, dy_a, A),
+                    _step_to_boundary(cap - z, -jnp.sum(dy_a, axis=0), fed),
+                ),
+            )
+            ad = jnp.minimum(1.0, _step_to_boundary(s, ds_a, A))
+            mu_a = jnp.sum(jnp.where(A, (y + ap * dy_a) * (s + ad * ds_a), 0.0)) / sw
+            sigma = jnp.clip((jnp.maximum(mu_a, 0.0) / jnp.maximum(mu, _TINY)) ** 3, 0.0, 1.0)
+            # Safeguard: the weight stays above a fraction of the relative demand residual,
+            # so that complementarity cannot reach zero long before feasibility does.
+            infeas = jnp.max(jnp.abs(rp) / lsrc)
+            tau = jnp.maximum(sigma * mu, jnp.minimum(mu, _KAPPA * infeas))
+            # Corrector: the barrier step at weight tau, same factors (the right-hand side
+            # red - tau w / y is formed first: combining two solves would cancel).
+            dy, dnu = sch.solve(jnp.where(A, red - tau * w / ysafe, 0.0), rp)
+        else:
+            q = jnp.where(act, red, 0.0)
+            shift = jnp.where(fed, -dF * h / jnp.maximum(hN, _TINY), 0.0)
+            dy, dnu = _newton_direction(E, q + jnp.where(A, shift[None, :], 0.0), rp, Pt, src)
+        bw = jnp.where(A, tau * w, 0.0)
         dz = jnp.sum(dy, axis=0)
         dN = jnp.where(fed, (ell * dz - h) / jnp.maximum(hN, _TINY), 0.0)
         nun = nu + dnu
 
         # ---- stage 1: barrier step with a slope-only backtracking line search ----
-        dec = jnp.sum(jnp.where(A, dy**2 / jnp.where(A, E, 1.0), 0.0)) + jnp.sum(Pt * dz**2)
-        dec = dec / (tau * jnp.sum(w) + _TINY)
         amax = jnp.minimum(
             1.0,
-            0.995 * jnp.minimum(_step_to_boundary(y, dy, A), _step_to_boundary(cap - z, -dz, fed)),
+            jnp.minimum(
+                0.995 * _step_to_boundary(y, dy, A),
+                _CAP_FRAC * _step_to_boundary(cap - z, -dz, fed),
+            ),
         )
         rho = 2.0 * jnp.max(jnp.where(src, jnp.abs(nun), 0.0)) + cs
         rp1 = jnp.sum(jnp.abs(rp))
@@ -551,7 +634,7 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         noise = 1e-12 * jnp.sum(jnp.where(A, jnp.abs(c * dy) + jnp.abs(bw / ysafe * dy), 0.0))
         thresh = -(1.0 - 4e-4) * d0 + noise
         # No descent left above the rounding level: the barrier problem is solved, so the
-        # step is skipped and the point counts as centred.
+        # primal step is skipped (the duals still move).
         flat = d0 >= -noise
 
         def bt_cond(cr):
@@ -581,22 +664,24 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         y1 = jnp.where(good, jnp.where(A, y + a * dy, 0.0), y)
         N1 = jnp.where(good, Nt, N)
         rp_new = jnp.where(good, (1.0 - a) * rp, rp)
-        centred = (jnp.max(jnp.abs(rp_new) / lsrc) <= _IPM_FEAS) & ((dec <= _CENTRED) | flat)
-        conv = centred & (tau * deg <= jnp.where(st["retry"], _IPM_SWITCH, _IPM_TOL))
-        lower = centred & ~conv
-        tau1 = jnp.where(lower, tau * _SHRINK, tau)
+        feas = jnp.max(jnp.abs(rp_new) / lsrc) <= _IPM_FEAS
         cbar1, _ = levels(jnp.where(good, ct, c))
-        w1 = jnp.where(lower, jnp.where(A, (lsrc * cbar1)[:, None], 0.0), w)
-        y1s = jnp.where(A, y1, 1.0)
+        w1 = jnp.where(A, (lsrc * cbar1)[:, None], 0.0)
         # Dual step of the primal-dual system: S dy + Y ds = tau w - Y S, at most 0.995 of
-        # the way to s = 0.
+        # the way to s = 0 (also taken when the primal step is flat).
         ds = jnp.where(A, bw / ysafe - s - s * dy / ysafe, 0.0)
         a_s = jnp.minimum(1.0, 0.995 * _step_to_boundary(s, ds, A))
-        s1 = jnp.where(good, jnp.where(A, s + a_s * ds, 0.0), s)
+        s1 = jnp.where(good | flat, jnp.where(A, s + a_s * ds, 0.0), s)
+        # Complementarity gap of the new point, per unit weight.
+        tau1 = jnp.sum(jnp.where(A, y1 * s1, 0.0)) / (jnp.sum(w1) + _TINY)
+        # Dual residual of the new point: its costs against the multipliers and duals.
+        rd = jnp.max(jnp.where(A, jnp.abs(ct - nun[:, None] - s1), 0.0) / cbar1[:, None])
+        gap_tol = jnp.where(st["retry"], _IPM_SWITCH, _IPM_TOL)
+        conv = feas & (tau1 * deg <= gap_tol) & (rd <= _RD * gap_tol)
         end_ipm = conv | ~(good | flat) | (st["it"] + 1 >= max_iters)
         # Support for stage 2: y_ij / lambda_i against s_ij / cbar_i, plus the largest arc
         # of every source; everything else is switched off.
-        sup = A & (y1 / lsrc[:, None] >= (tau1 * w1 / y1s) / cbar1[:, None])
+        sup = A & (y1 / lsrc[:, None] >= tau1 * w1 / jnp.where(A, y1, 1.0) / cbar1[:, None])
         top = jnp.argmax(jnp.where(A, y1, -jnp.inf), axis=1)
         sup = sup | ((idx[None, :] == top[:, None]) & A)
 
@@ -649,7 +734,12 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
             tau=pick(tau1, tau),
             it=st["it"] + ipm.astype(st["it"].dtype),
             phase=jnp.where(ipm & end_ipm, 1, st["phase"]),
-            pol=st["pol"] + (~ipm).astype(st["pol"].dtype),
+            # A stage 1 stopped by `max_iters` gets only the scoring pass of stage 2.
+            pol=jnp.where(
+                ipm & end_ipm & ~conv & (st["it"] + 1 >= max_iters),
+                _POLISH_ITERS,
+                st["pol"] + (~ipm).astype(st["pol"].dtype),
+            ),
             act=pick(sup, act2),
             best_y=jnp.where(better, y, st["best_y"]),
             best_N=jnp.where(better, N, st["best_N"]),
