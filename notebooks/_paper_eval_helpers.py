@@ -1,0 +1,513 @@
+"""Helpers of notebooks/paper_evaluation.ipynb: reading recorded experiment summaries,
+tabulating and plotting them, and checking them against the seed paper's findings
+(seed §5.4, App. B.2-B.3, §6; theory/evaluation.md).
+
+A recorded run is the `summary.json` that `dlbfluid.run_experiment` writes:
+`{"experiment", "config", "summary": [{"variant", "policy", "runs", "failed",
+"normalized_latency", "normalized_latency_p10", "normalized_latency_p50",
+"normalized_latency_p90", "mean_latency", "error_rate", "error_rate_p90"}, ...]}`.
+
+Every check is a pure function of such a summary and returns `Finding` rows; a check whose
+inputs are missing (a policy or variant the run did not record, or a failed cell) says
+"n/a" instead of guessing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+KINDS = ("baseline", "utilization", "duration", "burst", "outage", "spikes", "noise")
+POLICIES = (
+    "rand",
+    "mnlb",
+    "disc-rif",
+    "disc-lat",
+    "disc-grad",
+    "flow-rif",
+    "flow-lat",
+    "flow-grad",
+)
+DLB = ("disc-rif", "disc-lat", "disc-grad", "flow-rif", "flow-lat", "flow-grad")
+RIF = ("disc-rif", "flow-rif")
+MODEL_BASED = ("disc-lat", "disc-grad", "flow-lat", "flow-grad")
+FIELDS = (
+    "normalized_latency",
+    "normalized_latency_p10",
+    "normalized_latency_p50",
+    "normalized_latency_p90",
+    "mean_latency",
+    "error_rate",
+    "error_rate_p90",
+)
+
+# Tolerances of the checks (stated once, used everywhere).
+BASELINE_BAND = (0.7, 0.9)  # "about 20% better than Rand": mean DLB normalised latency
+TIE = 0.005  # "best" allows a tie within 0.5% of the best normalised latency
+IMMUNE_RTOL = 1e-9  # "immune": identical across noise levels up to rounding
+
+
+# ----------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------
+
+
+def results_dir() -> Path:
+    """`$DLBFLUID_RESULTS`, or `results/` next to this file (the notebook's folder)."""
+    env = os.environ.get("DLBFLUID_RESULTS")
+    return Path(env) if env else Path(__file__).resolve().parent / "results"
+
+
+def load_recorded(directory=None) -> dict[str, dict]:
+    """The recorded summaries `<directory>/<kind>.json` that exist, by kind.
+
+    **Raises:** `ValueError` naming the file when a file exists but is not a summary.
+    """
+    d = results_dir() if directory is None else Path(directory)
+    out = {}
+    for kind in KINDS:
+        path = d / f"{kind}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("summary"), list):
+            raise ValueError(f"{path}: expected a run_experiment summary with a 'summary' list")
+        for row in data["summary"]:
+            missing = {"variant", "policy", *FIELDS} - set(row)
+            if missing:
+                raise ValueError(f"{path}: summary row {row!r} lacks {sorted(missing)}")
+        exp = data.get("experiment", kind)
+        if exp != kind:
+            raise ValueError(f"{path}: holds experiment {exp!r}, expected {kind!r}")
+        out[kind] = data
+    return out
+
+
+def variants_of(summary: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["variant"] for r in summary))
+
+
+def policies_of(summary: list[dict]) -> list[str]:
+    present = set(r["policy"] for r in summary)
+    return [p for p in POLICIES if p in present] + sorted(present - set(POLICIES))
+
+
+def value(summary: list[dict], variant: str, policy: str, field: str = "normalized_latency"):
+    """One number of a summary, or None when it is not recorded."""
+    for r in summary:
+        if r["variant"] == variant and r["policy"] == policy:
+            v = r.get(field)
+            return None if v is None or not math.isfinite(float(v)) else float(v)
+    return None
+
+
+def variant_number(variant: str) -> float | None:
+    """The numeric level of a variant label such as `u=0.5`, `y=0.25` or `eps=0.1`."""
+    if "=" not in variant:
+        return None
+    try:
+        return float(variant.split("=", 1)[1])
+    except ValueError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------
+# Tables and plots
+# ----------------------------------------------------------------------------------------
+
+
+def _fmt(v, pct=False) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.3f}%" if pct else f"{v:.3f}"
+
+
+def format_table(summary: list[dict]) -> str:
+    """Policy x variant table of normalised latency, its 90th percentile across
+    scenarios x trials, and the error rate."""
+    variants, policies = variants_of(summary), policies_of(summary)
+    blocks = []
+    for field, title, pct in (
+        ("normalized_latency", "mean latency / Rand's (mean over scenarios x trials)", False),
+        ("normalized_latency_p90", "mean latency / Rand's, 90th percentile", False),
+        ("error_rate", "error rate (dropped / arrived)", True),
+    ):
+        w = max(10, *(len(v) + 2 for v in variants))
+        lines = [title, f"{'policy':<10}" + "".join(f"{v:>{w}}" for v in variants)]
+        for p in policies:
+            cells = "".join(f"{_fmt(value(summary, v, p, field), pct):>{w}}" for v in variants)
+            lines.append(f"{p:<10}" + cells)
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def plot_recorded(kind: str, summary: list[dict], title: str = ""):
+    """Normalised latency and error rate per variant: lines over the variant's level for
+    `utilization` and `duration` (log axis for the duration scale), bars otherwise."""
+    import matplotlib.pyplot as plt
+
+    variants, policies = variants_of(summary), policies_of(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    levels = [variant_number(v) for v in variants]
+    as_lines = kind in ("utilization", "duration") and all(x is not None for x in levels)
+    width = 0.8 / max(len(policies), 1)
+    xs = np.arange(len(variants))
+    for k, p in enumerate(policies):
+        m = np.array([np.nan if (v := value(summary, x, p)) is None else v for x in variants])
+        e = [value(summary, x, p, "error_rate") for x in variants]
+        e = 100 * np.array([np.nan if v is None else v for v in e])
+        style = dict(color=f"C{k}", label=p, lw=2.2 if p in ("rand", "mnlb") else 1.4)
+        if as_lines:
+            ls = "--" if p in ("rand", "mnlb") else "-"
+            axes[0].plot(levels, m, "o" + ls, ms=3, **style)
+            axes[1].plot(levels, e, "o" + ls, ms=3, **style)
+        else:
+            off = xs + (k - (len(policies) - 1) / 2) * width
+            axes[0].bar(off, m, width, color=f"C{k}", label=p)
+            axes[1].bar(off, e, width, color=f"C{k}", label=p)
+    for ax, lab in zip(axes, ("mean latency / Rand's", "errors (% of requests)")):
+        if as_lines:
+            ax.set_xlabel("utilisation" if kind == "utilization" else "duration scale y")
+            if kind == "duration":
+                ax.set_xscale("log")
+                ax.set_xticks(levels, [f"{x:g}" for x in levels])
+                ax.minorticks_off()
+        else:
+            ax.set_xticks(xs, variants)
+        ax.set_ylabel(lab)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(title or f"recorded experiment: {kind}")
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# Checks against the paper
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One row of a comparison: what the paper says, what the fluid run shows, and whether
+    they agree (True, False, or None when the run lacks the data)."""
+
+    finding: str
+    paper: str
+    fluid: str
+    agrees: bool | None
+
+    @property
+    def verdict(self) -> str:
+        return {True: "yes", False: "NO", None: "n/a"}[self.agrees]
+
+
+def _mean(summary, variant, policies, field="normalized_latency"):
+    vals = [value(summary, variant, p, field) for p in policies]
+    if not vals or any(v is None for v in vals):
+        return None
+    return float(np.mean(vals))
+
+
+def _na(finding, paper, why="not recorded") -> Finding:
+    return Finding(finding, paper, why, None)
+
+
+def _extreme_variants(summary) -> tuple[str, str] | None:
+    """(lowest, highest) numeric variant, or None."""
+    lv = [(variant_number(v), v) for v in variants_of(summary)]
+    lv = sorted((x, v) for x, v in lv if x is not None)
+    return (lv[0][1], lv[-1][1]) if len(lv) >= 2 else None
+
+
+def check_baseline(summary: list[dict]) -> list[Finding]:
+    """App. B.2: at 80% utilisation most DLB policies are about 20% better than Rand, with
+    Flow-Grad best; our policies also outperform MNLB."""
+    v = "baseline" if "baseline" in variants_of(summary) else variants_of(summary)[0]
+    out = []
+    dlb = [p for p in DLB if value(summary, v, p) is not None]
+    vals = {p: value(summary, v, p) for p in dlb}
+    f, paper = "most DLB policies beat Rand", ">= 4 of 6 below 1"
+    if len(dlb) == len(DLB):
+        k = sum(x < 1.0 for x in vals.values())
+        out.append(Finding(f, paper, f"{k} of 6 below 1", k >= 4))
+    else:
+        out.append(_na(f, paper))
+    f, paper = "improvement over Rand about 20%", "mean DLB norm. latency ~0.8"
+    m = _mean(summary, v, DLB)
+    lo, hi = BASELINE_BAND
+    out.append(
+        _na(f, paper)
+        if m is None
+        else Finding(f, paper + f" (band {lo}-{hi})", f"{m:.3f}", lo <= m <= hi)
+    )
+    f, paper = "Flow-Grad best", "flow-grad lowest"
+    allp = {p: value(summary, v, p) for p in policies_of(summary)}
+    allp = {p: x for p, x in allp.items() if x is not None}
+    if "flow-grad" in allp and len(allp) > 1:
+        best = min(allp, key=allp.get)
+        fg = allp["flow-grad"]
+        ok = fg <= allp[best] * (1 + TIE)
+        out.append(Finding(f, paper, f"best {best} {allp[best]:.3f}; flow-grad {fg:.3f}", bool(ok)))
+    else:
+        out.append(_na(f, paper))
+    f, paper = "DLB policies beat MNLB", "mean DLB < MNLB"
+    mn = value(summary, v, "mnlb")
+    out.append(
+        _na(f, paper)
+        if m is None or mn is None
+        else Finding(f, paper, f"DLB {m:.3f} vs MNLB {mn:.3f}", m < mn)
+    )
+    return out
+
+
+def check_utilization(summary: list[dict]) -> list[Finding]:
+    """App. B.2 / §5.4: at low utilisation RIF spills to slow cells (worse than the
+    latency-aware flow policies, relatively more than at high utilisation); the
+    improvement over Rand shrinks at low utilisation; at high utilisation DLB has lower
+    latency and error rates than MNLB and Rand."""
+    ends = _extreme_variants(summary)
+    if ends is None:
+        return [_na("utilisation findings", "needs two utilisation levels")]
+    lo, hi = ends
+    out = []
+
+    def rif_gap(v):
+        r, g = _mean(summary, v, RIF), _mean(summary, v, ("flow-grad", "flow-lat"))
+        return None if r is None or g is None else r / g - 1.0
+
+    f, paper = f"RIF worse than Flow-Grad/Lat at {lo}", "RIF / (grad,lat) - 1 > 0"
+    g_lo, g_hi = rif_gap(lo), rif_gap(hi)
+    out.append(_na(f, paper) if g_lo is None else Finding(f, paper, f"{g_lo:+.3f}", g_lo > 0))
+    f, paper = f"RIF penalty larger at {lo} than at {hi}", "gap(low u) > gap(high u)"
+    out.append(
+        _na(f, paper)
+        if g_lo is None or g_hi is None
+        else Finding(f, paper, f"{g_lo:+.3f} vs {g_hi:+.3f}", g_lo > g_hi)
+    )
+    f, paper = "improvement over Rand smaller at low u", f"1 - DLB({lo}) < 1 - DLB({hi})"
+    m_lo, m_hi = _mean(summary, lo, DLB), _mean(summary, hi, DLB)
+    out.append(
+        _na(f, paper)
+        if m_lo is None or m_hi is None
+        else Finding(f, paper, f"{1 - m_lo:+.3f} vs {1 - m_hi:+.3f}", 1 - m_lo < 1 - m_hi)
+    )
+    f, paper = f"at {hi} DLB latency below MNLB", "mean DLB < MNLB"
+    mn = value(summary, hi, "mnlb")
+    out.append(
+        _na(f, paper)
+        if m_hi is None or mn is None
+        else Finding(f, paper, f"{m_hi:.3f} vs {mn:.3f}", m_hi < mn)
+    )
+    f, paper = f"at {hi} DLB errors <= MNLB and Rand", "mean DLB <= min(Rand, MNLB)"
+    e = _mean(summary, hi, DLB, "error_rate")
+    eb = [value(summary, hi, p, "error_rate") for p in ("rand", "mnlb")]
+    out.append(
+        _na(f, paper)
+        if e is None or None in eb
+        else Finding(
+            f,
+            paper,
+            f"{100 * e:.3f}% vs {100 * eb[0]:.3f}% / {100 * eb[1]:.3f}%",
+            e <= min(eb),
+        )
+    )
+    return out
+
+
+def check_duration(summary: list[dict]) -> list[Finding]:
+    """App. B.2: for short requests (y = 10) RIF is poor, MNLB strong and only Flow-Grad
+    beats it; for y <= 1 the DLB policies improve upon MNLB."""
+    out = []
+    vs = {variant_number(v): v for v in variants_of(summary)}
+    short = vs.get(10.0)
+    if short is None:
+        out.append(_na("y = 10 findings", "needs the y=10 variant"))
+    else:
+        mn = value(summary, short, "mnlb")
+        rif = _mean(summary, short, RIF)
+        f, paper = "y=10: RIF poor (worse than MNLB)", "mean RIF > MNLB"
+        out.append(
+            _na(f, paper)
+            if mn is None or rif is None
+            else Finding(f, paper, f"{rif:.3f} vs {mn:.3f}", rif > mn)
+        )
+        fg = value(summary, short, "flow-grad")
+        f, paper = "y=10: Flow-Grad beats MNLB", "flow-grad < MNLB"
+        out.append(
+            _na(f, paper)
+            if mn is None or fg is None
+            else Finding(f, paper, f"{fg:.3f} vs {mn:.3f}", fg < mn)
+        )
+        f, paper = "y=10: only Flow-Grad beats MNLB", "others >= MNLB"
+        others = {p: value(summary, short, p) for p in DLB if p != "flow-grad"}
+        if mn is None or any(x is None for x in others.values()):
+            out.append(_na(f, paper))
+        else:
+            better = [p for p, x in others.items() if x < mn]
+            out.append(Finding(f, paper, "beat MNLB: " + (", ".join(better) or "none"), not better))
+    long = sorted((y, v) for y, v in vs.items() if y is not None and y <= 1.0)
+    f, paper = "y<=1: DLB policies beat MNLB", "mean DLB < MNLB at every y<=1"
+    rows, ok = [], True
+    for y, v in long:
+        m, mn = _mean(summary, v, DLB), value(summary, v, "mnlb")
+        if m is None or mn is None:
+            rows = None
+            break
+        rows.append(f"y={y:g}: {m:.3f}/{mn:.3f}")
+        ok &= m < mn
+    out.append(
+        _na(f, paper) if not long or rows is None else Finding(f, paper, "; ".join(rows), ok)
+    )
+    return out
+
+
+def check_events(summary: list[dict], kind: str) -> list[Finding]:
+    """App. B.3 (burst, outage) and §6 (spikes): MNLB and Rand have higher error rates
+    than the DLB policies; the DLB policies improve on the latency of Rand and of MNLB
+    (narrowly in the outage, where MNLB is capacity-aware)."""
+    v = kind if kind in variants_of(summary) else variants_of(summary)[0]
+    out = []
+    e = _mean(summary, v, DLB, "error_rate")
+    for base in ("rand", "mnlb"):
+        f, paper = f"{kind}: {base} errors above DLB", f"{base} > mean DLB"
+        eb = value(summary, v, base, "error_rate")
+        out.append(
+            _na(f, paper)
+            if e is None or eb is None
+            else Finding(f, paper, f"{100 * eb:.3f}% vs {100 * e:.3f}%", eb > e)
+        )
+    f, paper = f"{kind}: DLB latency below Rand", "mean DLB < 1"
+    m = _mean(summary, v, DLB)
+    out.append(_na(f, paper) if m is None else Finding(f, paper, f"{m:.3f}", m < 1.0))
+    f, paper = f"{kind}: DLB latency below MNLB", "mean DLB < MNLB"
+    mn = value(summary, v, "mnlb")
+    out.append(
+        _na(f, paper)
+        if m is None or mn is None
+        else Finding(f, paper, f"{m:.3f} vs {mn:.3f}", m < mn)
+    )
+    return out
+
+
+def check_noise(summary: list[dict]) -> list[Finding]:
+    """§5.4: RIF (and Rand, MNLB) are immune to estimation noise; the latency and gradient
+    policies degrade gracefully as the noise level grows."""
+    levels = sorted(
+        (variant_number(v), v) for v in variants_of(summary) if variant_number(v) is not None
+    )
+    if len(levels) < 2:
+        return [_na("noise findings", "needs two noise levels")]
+    out = []
+    f, paper = "RIF immune to noise", f"identical across eps (rtol {IMMUNE_RTOL:g})"
+    spreads = []
+    for p in RIF + ("mnlb",):
+        vals = [value(summary, v, p) for _, v in levels]
+        if any(x is None for x in vals):
+            spreads = None
+            break
+        spreads.append((max(vals) - min(vals)) / max(abs(max(vals)), 1e-300))
+    out.append(
+        _na(f, paper)
+        if spreads is None
+        else Finding(
+            f,
+            paper + "; MNLB too",
+            f"max rel. spread {max(spreads):.1e}",
+            max(spreads) <= IMMUNE_RTOL,
+        )
+    )
+    (e0, v0), (e1, v1) = levels[0], levels[-1]
+    m0, m1 = _mean(summary, v0, MODEL_BASED), _mean(summary, v1, MODEL_BASED)
+    f, paper = f"lat/grad degrade as eps grows ({e0:g} -> {e1:g})", "mean lat/grad rises"
+    out.append(
+        _na(f, paper)
+        if m0 is None or m1 is None
+        else Finding(f, paper, f"{m0:.3f} -> {m1:.3f}", m1 >= m0)
+    )
+    f, paper = f"lat/grad still competitive at eps={e1:g}", "mean lat/grad < 1 (beats Rand)"
+    out.append(_na(f, paper) if m1 is None else Finding(f, paper, f"{m1:.3f}", m1 < 1.0))
+    return out
+
+
+def check(kind: str, summary: list[dict]) -> list[Finding]:
+    """The paper's findings for one experiment kind, checked on its summary."""
+    if kind == "baseline":
+        return check_baseline(summary)
+    if kind == "utilization":
+        return check_utilization(summary)
+    if kind == "duration":
+        return check_duration(summary)
+    if kind in ("burst", "outage", "spikes"):
+        return check_events(summary, kind)
+    if kind == "noise":
+        return check_noise(summary)
+    raise ValueError(f"kind = {kind!r} is invalid: allowed kinds are {list(KINDS)}")
+
+
+def format_findings(rows: list[Finding]) -> str:
+    """A fixed-width table: finding | paper | fluid model | agrees?"""
+    head = ("finding", "paper", "fluid model", "agrees?")
+    body = [(r.finding, r.paper, r.fluid, r.verdict) for r in rows]
+    w = [max(len(str(x[k])) for x in [head, *body]) for k in range(4)]
+    line = lambda x: " | ".join(f"{str(c):<{w[k]}}" for k, c in enumerate(x))  # noqa: E731
+    return "\n".join([line(head), "-+-".join("-" * k for k in w), *map(line, body)])
+
+
+# ----------------------------------------------------------------------------------------
+# Live runs (notebook sections 2 and 3)
+# ----------------------------------------------------------------------------------------
+
+
+def replica_fraction(scn, t) -> np.ndarray:
+    """$c_j(t) = k_j(t)/k_j$ of an unbatched scenario at times `t` `(S,)`: `(S, n)`."""
+    times = np.asarray(scn.replica_times)  # (n, Q)
+    counts = np.asarray(scn.replica_counts)
+    k = np.asarray(scn.replicas)
+    t = np.asarray(t, dtype=float)
+    idx = np.clip((times[None, :, :] <= t[:, None, None]).sum(-1) - 1, 0, None)  # (S, n)
+    return np.take_along_axis(counts[None].repeat(t.size, 0), idx[..., None], -1)[..., 0] / k
+
+
+def cell_utilisation(sol, scn):
+    """Per-cell utilisation over each save interval: the service rate
+    $\\Delta D_j/\\Delta t$ over the running capacity $c_j(t)\\bar\\mu_j$, at the interval
+    midpoints. Returns `(t_mid (S,), util (S, n))` for the real cells."""
+    t = np.asarray(sol.t)
+    dep = np.asarray(sol.departures)
+    n = int(np.asarray(scn.cell_mask).sum())
+    mid = 0.5 * (t[1:] + t[:-1])
+    rate = np.diff(dep, axis=0) / np.diff(t)[:, None]
+    cap = np.asarray(scn.service.capacity)[None] * replica_fraction(scn, mid)
+    return mid, (rate / cap)[:, :n]
+
+
+def show_recorded(recorded: dict, kind: str) -> list[Finding]:
+    """Notebook section 4 for one kind: the table, the plot and the findings table; a
+    printed note when the kind has not been recorded. Returns the findings."""
+    import matplotlib.pyplot as plt
+
+    if kind not in recorded:
+        print(f"no recorded run {results_dir() / (kind + '.json')}: section skipped")
+        return []
+    data = recorded[kind]
+    c = data.get("config", {})
+    print(
+        f"{kind}: {c.get('scenarios')} scenarios x {c.get('trials')} trials, "
+        f"horizon {c.get('horizon')} s, tick {c.get('tick')} s, policies {c.get('policies')}\n"
+    )
+    failed = [r for r in data["summary"] if r.get("failed")]
+    for r in failed:
+        print(f"note: {r['variant']} {r['policy']}: {r['failed']} of {r['runs']} runs failed")
+    print(format_table(data["summary"]))
+    plot_recorded(kind, data["summary"])
+    plt.show()
+    rows = check(kind, data["summary"])
+    print(format_findings(rows))
+    return rows
