@@ -335,14 +335,13 @@ def summarise(rows: list[dict], policies=POLICIES) -> list[dict]:
 def plot_summary(summary: list[dict], path, title: str = "") -> None:
     """Normalised mean latency (with the 10-90% spread) and error rate per policy and
     variant, one panel each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure: no pyplot state, so the caller's backend (e.g. inline) is untouched.
+    from matplotlib.figure import Figure
 
     variants = list(dict.fromkeys(s["variant"] for s in summary))
     policies = list(dict.fromkeys(s["policy"] for s in summary))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig = Figure(figsize=(12, 4.2))
+    axes = fig.subplots(1, 2)
     width = 0.8 / max(len(policies), 1)
     xs = np.arange(len(variants))
     for k, p in enumerate(policies):
@@ -391,7 +390,6 @@ def plot_summary(summary: list[dict], path, title: str = "") -> None:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------
