@@ -225,7 +225,7 @@ def test_profile_window_is_exact(monkeypatch):
                                n_cells=6)
     assert sim._window_width(np.asarray(batch.arrival_times), 0.3,
                              np.asarray(batch.arrival_rates)) < P / 2
-    kw = dict(step_size=0.5, tick=0.1, horizon=120.0, n_save=12)
+    kw = dict(step_size=0.5, tick=0.2, horizon=120.0, n_save=12)
     a = dl.simulate(scn, "flow-grad", **kw)
     monkeypatch.setattr(sim, "_window_width", lambda t, span, r=None: t.shape[-1])
     b = dl.simulate(scn, "flow-grad", **kw)

@@ -12,7 +12,7 @@ import dlbfluid as dl
 from dlbfluid import _experiment as ex
 from dlbfluid._cli import main
 
-POLS = ("rand", "mnlb", "disc-lat", "flow-grad")
+POLS = ("rand", "mnlb", "flow-grad")
 
 
 def small(**kw):
