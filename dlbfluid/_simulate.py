@@ -273,22 +273,25 @@ def _setup(scn, eta, h, policy, hist):
     return dict(tau=tau, m=m, r=r, offsets=h - r, step=(eta * h).astype(dtype))
 
 
-def _init_carry(scn, eta, h, *, policy, hist):
-    """`(N, x_ring, obs_ring, acc, status, change, extra)`; `extra` holds the policy's
-    own routing state (before error aversion), the cells' error-rate averages, their
-    ring buffer and the roots' aversion."""
+def _init_carry(scn, eta, h, aux, *, policy, hist, aversion):
+    """`(N, x_ring, obs_ring, acc, status, change, extra)`. With error aversion, `extra`
+    holds the policy's own routing state (before aversion), the cells' error-rate
+    averages, their ring buffer and the roots' aversion; without, it is empty (the
+    policy's routing is then the one in the ring)."""
     n = scn.n_cells
     dtype = scn.latency.dtype
-    x0 = policy.initial_routing(scn).astype(dtype)
+    x0 = policy.initial_routing(scn, aux).astype(dtype)
     N0 = scn.initial_workload.astype(dtype)
     zeros = jnp.zeros(n, dtype)
     acc0 = (zeros, zeros, zeros, jnp.zeros((), dtype), jnp.zeros((), dtype), zeros)
-    extra = dict(
-        xpol=x0,
-        ema=zeros,
-        err_ring=jnp.zeros((hist, n), dtype),
-        aversion=jnp.zeros((n, n), dtype),
-    )
+    extra = {}
+    if aversion is not None:
+        extra = dict(
+            xpol=x0,
+            ema=zeros,
+            err_ring=jnp.zeros((hist, n), dtype),
+            aversion=jnp.zeros((n, n), dtype),
+        )
     return (
         N0,
         jnp.broadcast_to(x0, (hist, n, n)),
@@ -303,7 +306,7 @@ def _init_carry(scn, eta, h, *, policy, hist):
 def _scale_at(scn, t):
     """Replica fraction $c_j(t)$ of every cell; `t` broadcasts against the cell axis last."""
     return jax.vmap(replica_scale, in_axes=(0, 0, 0, -1), out_axes=-1)(
-        scn.replica_times, scn.replica_counts, scn.replicas, jnp.broadcast_to(t, jnp.shape(t))
+        scn.replica_times, scn.replica_counts, scn.replicas, t
     )
 
 
@@ -379,7 +382,7 @@ def _run_ticks(scn, eta, h, carry, k0, k1, aux, *, policy, integrator, hist, ave
         d_net = jnp.sum(2.0 * tau * x_k * lam_tick[:, None])
         obs_ring1 = obs_ring.at[k % hist].set(obs)
         # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = obs of tick k - m_ij.
-        xpol = extra["xpol"]
+        xpol = x_k if aversion is None else extra["xpol"]
         t_next = tk + h
         if cost is None:
             xpol_next = policy.scheduled(scn, xpol, t_next + 0.5 * h, aux)
@@ -387,16 +390,15 @@ def _run_ticks(scn, eta, h, carry, k0, k1, aux, *, policy, integrator, hist, ave
             seen = obs_ring1[(k - m) % hist, I, J]
             seen_scale = _scale_at(scn, t_next - tau) if scn.replica_times.shape[-1] > 1 else None
             xpol_next = policy.update(xpol, route_costs(cost, scn, seen, seen_scale), step, allowed)
-        new_extra = dict(extra, xpol=xpol_next)
         if aversion is None:
-            x_next = xpol_next
+            x_next, new_extra = xpol_next, extra
         else:
             ema = ema_update(aversion, extra["ema"], d_drop, d_arr, h)
             err_ring = extra["err_ring"].at[k % hist].set(ema)
             seen_err = err_ring[(k - m) % hist, J]
             a = aversion_update(aversion, extra["aversion"], seen_err, allowed, h)
             x_next = apply_aversion(xpol_next, a)
-            new_extra.update(ema=ema, err_ring=err_ring, aversion=a)
+            new_extra = dict(xpol=xpol_next, ema=ema, err_ring=err_ring, aversion=a)
         x_ring1 = x_ring.at[(k + 1) % hist].set(x_next)
         new_acc = tuple(a + d for a, d in zip(acc, (d_arr, d_dep, lam_tick, d_q, d_net, d_drop)))
         finite = (
@@ -448,8 +450,10 @@ def _simulate_batch(
     scn, eta, h, save_ticks, *, policy, integrator, hist, progress, horizon, aversion, window
 ):
     kw = dict(policy=policy, hist=hist)
-    carry0 = jax.vmap(lambda s, e, hh: _init_carry(s, e, hh, **kw))(scn, eta, h)
     aux = jax.vmap(lambda s, hh: policy.prepare(s, hh, horizon))(scn, h)
+    carry0 = jax.vmap(lambda s, e, hh, a: _init_carry(s, e, hh, a, aversion=aversion, **kw))(
+        scn, eta, h, aux
+    )
     run = jax.vmap(
         lambda s, e, hh, c, a, b, x: _run_ticks(
             s, e, hh, c, a, b, x, integrator=integrator, aversion=aversion, window=window, **kw

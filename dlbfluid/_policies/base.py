@@ -32,8 +32,9 @@ class AbstractPolicy(eqx.Module):
     @abc.abstractmethod
     def name(self) -> str: ...
 
-    def initial_routing(self, scn) -> Float[Array, "n n"]:
-        """$x^0$, also the routing history on $[-\\bar\\tau, 0]$: the scenario's own."""
+    def initial_routing(self, scn, aux=None) -> Float[Array, "n n"]:
+        """$x^0$, also the routing history on $[-\\bar\\tau, 0]$: the scenario's own.
+        `aux` is what `prepare` returned (`None` for state-feedback policies)."""
         return scn.initial_routing
 
     def prepare(self, scn, h, horizon: float):

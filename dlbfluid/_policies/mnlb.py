@@ -39,8 +39,11 @@ class MNLB(AbstractPolicy):
     def name(self) -> str:
         return "mnlb"
 
-    def initial_routing(self, scn):
-        return self.prepare(scn, None, self.update_period)[0]
+    def initial_routing(self, scn, aux=None):
+        """The weights of the first period, $t_0 = 0$ (from the schedule when given)."""
+        if aux is None:
+            aux = self.prepare(scn, None, self.update_period)
+        return aux[0]
 
     def prepare(self, scn, h, horizon: float):
         from .._mnlb import mnlb_weights
@@ -49,9 +52,12 @@ class MNLB(AbstractPolicy):
         n_periods = int(math.floor(horizon / T + 1e-9)) + 1
         dtype = scn.latency.dtype
         tp = jnp.arange(n_periods, dtype=dtype) * T  # (P,)
-        lam = jax.vmap(rate_integral, in_axes=(0, 0, None, None), out_axes=-1)(
-            scn.arrival_times, scn.arrival_rates, tp - T, tp
-        ) / T  # (P, n)
+        lam = (
+            jax.vmap(rate_integral, in_axes=(0, 0, None, None), out_axes=-1)(
+                scn.arrival_times, scn.arrival_rates, tp - T, tp
+            )
+            / T
+        )  # (P, n)
         scale = jax.vmap(replica_scale, in_axes=(0, 0, 0, None), out_axes=-1)(
             scn.replica_times, scn.replica_counts, scn.replicas, tp + 1e-9 * T
         )  # (P, n)

@@ -21,7 +21,7 @@ class WeightedRandom(AbstractPolicy):
     def name(self) -> str:
         return "rand"
 
-    def initial_routing(self, scn):
+    def initial_routing(self, scn, aux=None):
         w = jnp.where(scn.allowed, scn.replicas[None, :], 0.0)
         tot = jnp.sum(w, axis=-1, keepdims=True)
         return jnp.where(tot > 0, w / jnp.where(tot > 0, tot, 1.0), 0.0)
