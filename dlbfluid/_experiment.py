@@ -346,36 +346,17 @@ def plot_summary(summary: list[dict], path, title: str = "") -> None:
     xs = np.arange(len(variants))
     for k, p in enumerate(policies):
         rows = {s["variant"]: s for s in summary if s["policy"] == p}
-        m = np.array(
-            [
-                np.nan
-                if rows.get(v, {}).get("normalized_latency") is None
-                else rows[v]["normalized_latency"]
-                for v in variants
-            ]
+
+        def col(key, rows=rows):
+            vals = [rows.get(v, {}).get(key) for v in variants]
+            return np.array([np.nan if x is None else x for x in vals], dtype=float)
+
+        m, lo, hi = (
+            col("normalized_latency"),
+            col("normalized_latency_p10"),
+            col("normalized_latency_p90"),
         )
-        lo = np.array(
-            [
-                np.nan
-                if rows.get(v, {}).get("normalized_latency_p10") is None
-                else rows[v]["normalized_latency_p10"]
-                for v in variants
-            ]
-        )
-        hi = np.array(
-            [
-                np.nan
-                if rows.get(v, {}).get("normalized_latency_p90") is None
-                else rows[v]["normalized_latency_p90"]
-                for v in variants
-            ]
-        )
-        e = np.array(
-            [
-                np.nan if rows.get(v, {}).get("error_rate") is None else rows[v]["error_rate"]
-                for v in variants
-            ]
-        )
+        e = col("error_rate")
         off = xs + (k - (len(policies) - 1) / 2) * width
         axes[0].bar(off, m, width, label=p)
         axes[0].errorbar(off, m, yerr=[m - lo, hi - m], fmt="none", ecolor="k", lw=0.8)
@@ -456,7 +437,7 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
         if (v, p) in done:
             continue
         if cache.get("variant") != v:
-            cache = {"variant": v, "batch": _variant_batch(cfg, opts), "eta": {}}
+            cache = {"variant": v, "batch": _variant_batch(cfg, opts)}
         nominal, batch, util = cache["batch"]
         pol = policy_from_name(p)
         if p == "mnlb":
@@ -475,7 +456,9 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
         new = []
         for k in range(expected):
             s, t = divmod(k, cfg.trials)
-            ok = status[k] == "success" and math.isfinite(lat[k])
+            # A "success" with a non-finite latency (e.g. nothing served) is reported as such.
+            state = status[k] if status[k] != "success" or math.isfinite(lat[k]) else "nonfinite"
+            ok = state == "success"
             new.append(
                 {
                     "experiment": cfg.experiment,
@@ -488,9 +471,7 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
                     "step_size": f"{eta[k]:.6g}" if p.startswith("flow") else "",
                     "mean_latency": f"{lat[k]:.10g}" if ok else "",
                     "error_rate": f"{err[k]:.10g}" if ok else "",
-                    "status": status[k]
-                    if ok
-                    else (status[k] if status[k] != "success" else "nonfinite"),
+                    "status": state,
                 }
             )
         _append(rpath, new)

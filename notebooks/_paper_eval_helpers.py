@@ -22,17 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-KINDS = ("baseline", "utilization", "duration", "burst", "outage", "spikes", "noise")
-POLICIES = (
-    "rand",
-    "mnlb",
-    "disc-rif",
-    "disc-lat",
-    "disc-grad",
-    "flow-rif",
-    "flow-lat",
-    "flow-grad",
-)
+from dlbfluid._experiment import KINDS, POLICIES
+
 DLB = ("disc-rif", "disc-lat", "disc-grad", "flow-rif", "flow-lat", "flow-grad")
 RIF = ("disc-rif", "flow-rif")
 MODEL_BASED = ("disc-lat", "disc-grad", "flow-lat", "flow-grad")
