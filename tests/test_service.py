@@ -78,3 +78,31 @@ def test_softplus_rate_is_increasing_and_concave():
     assert np.all(np.diff(mu) > 0)
     assert np.all(np.diff(mu, 2) < 1e-12)
     assert mu[-1] < 10.0
+
+
+def test_softplus_sigmoid_from_one_exponential():
+    """`softplus_sigmoid` (one exponential for sp(+-u), sigma(+-u)) against float64 numpy
+    references (`np.logaddexp`, `scipy.special.expit`), and its derivative (a custom rule)
+    against sp' = sigma and sigma' = sigma(u) sigma(-u), also at u = 0. Tolerance: a few
+    ulps."""
+    import jax
+    from scipy.special import expit
+
+    from dlbfluid._service import softplus_sigmoid
+
+    u = np.concatenate([np.linspace(-60.0, 60.0, 2401), [0.0, -1e-300, 1e-300, 700.0, -700.0]])
+    sp, sm, gp, gm = (np.asarray(a) for a in softplus_sigmoid(jnp.asarray(u)))
+    ref_sp = np.logaddexp(u, 0.0)
+    ref_sm = np.logaddexp(-u, 0.0)
+    ref_gp = expit(u)
+    ref_gm = expit(-u)
+    for got, ref in ((sp, ref_sp), (sm, ref_sm), (gp, ref_gp), (gm, ref_gm)):
+        np.testing.assert_allclose(got, ref, rtol=1e-15, atol=0.0)
+    # derivative: sp' = sigma, sigma' = sigma(u) sigma(-u) (relative accuracy both ways)
+    _, tangents = jax.jvp(softplus_sigmoid, (jnp.asarray(u),), (jnp.ones_like(jnp.asarray(u)),))
+    dsp, dsm, dgp, dgm = (np.asarray(a) for a in tangents)
+    np.testing.assert_allclose(dsp, ref_gp, rtol=1e-15)
+    np.testing.assert_allclose(dsm, -ref_gm, rtol=1e-15)
+    np.testing.assert_allclose(dgp, ref_gp * ref_gm, rtol=2e-15)
+    np.testing.assert_allclose(dgm, -ref_gp * ref_gm, rtol=2e-15)
+    assert float(dgp[u.size - 5]) == 0.25  # u = 0
