@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -38,10 +41,10 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ._costs import COSTS, arc_cost, check_cost, destination_cost
-from ._devices import shard_batch
+from ._devices import compiler_options, per_device, shard_batch
 from ._errors import OverloadError
 from ._scenario import Scenario, check_capacity, pad_scenario
-from ._service import SOFTPLUS, ServiceModel
+from ._service import SOFTPLUS, ServiceModel, softplus_sigmoid
 
 EQ_STATUS = {"success": 0, "not_converged": 1, "nonfinite": 2}
 EQ_STATUS_NAMES = {v: k for k, v in EQ_STATUS.items()}
@@ -107,9 +110,9 @@ def inverse_rate(service: ServiceModel, z, guess=None, *, max_iter: int = 60):
         N = jnp.maximum(g, lb)
 
     def step(N):
-        v = (N0 - N) / s
-        h = N * slack - zs * (a0 + beta * s * jax.nn.softplus(v))
-        hp = slack + zs * beta * jax.nn.sigmoid(v)
+        sp_v, _, sg_v, _ = softplus_sigmoid((N0 - N) / s)
+        h = N * slack - zs * (a0 + beta * s * sp_v)
+        hp = slack + zs * beta * sg_v
         return jnp.maximum(N - h / hp, lb)
 
     def cond(c):
@@ -166,8 +169,9 @@ def potential(cost: str, scn: Scenario, z, N):
         while L0_.ndim < n.ndim:
             L0_, N0_, s_, b_ = v(L0_, -1), v(N0_, -1), v(s_, -1), v(b_, -1)
         u = (n - N0_) / s_
-        ell = L0_ + b_ * s_ * jax.nn.softplus(u)
-        q = ell - n * b_ * jax.nn.sigmoid(u)
+        sp_u, _, sg_u, _ = softplus_sigmoid(u)
+        ell = L0_ + b_ * s_ * sp_u
+        q = ell - n * b_ * sg_u
         return ell, q
 
     if cost == "latency":
@@ -323,6 +327,13 @@ def _step_to_boundary(v, dv, mask):
     return jnp.min(r)
 
 
+def _step_to_boundary_inv(inv_v, dv, mask):
+    """`_step_to_boundary` for $v > 0$ on `mask` given $1/v$: one reduction of the rates
+    $-dv/v$ and one scalar division instead of a division per entry."""
+    rate = jnp.max(jnp.where(mask, -dv * inv_v, 0.0))
+    return jnp.where(rate > 0, 1.0 / jnp.where(rate > 0, rate, 1.0), jnp.inf)
+
+
 # ----------------------------------------------------------------------------------------
 # One scenario
 # ----------------------------------------------------------------------------------------
@@ -353,8 +364,9 @@ class _Problem(eqx.Module):
         sp = svc.model == SOFTPLUS
         v = (svc.knee - N) / svc.width
         a0 = svc.base_latency - beta * svc.knee
-        rest = jnp.where(sp, a0 + beta * svc.width * jax.nn.softplus(v), beta)
-        drest = jnp.where(sp, -beta * jax.nn.sigmoid(v), 0.0)
+        sp_v, _, sg_v, _ = softplus_sigmoid(v)
+        rest = jnp.where(sp, a0 + beta * svc.width * sp_v, beta)
+        drest = jnp.where(sp, -beta * sg_v, 0.0)
         ell = beta * N + rest
         h = N * (cap - z) / cap - z * rest
         hN = (cap - z) / cap - z * drest
@@ -455,8 +467,11 @@ def _certify(pb: _Problem, y, N_guess):
     )
 
 
-def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
-    """Interior point, then polish, in one loop (theory/equilibria.md §3).
+def _stages(scn: Scenario, lam, tol, max_iters, *, cost: str):
+    """The two stages of one scenario's solve (theory/equilibria.md §3): its initial state
+    `st0`, the loop conditions `cond_ipm`/`cond_polish`, the loop `body(st, stage1)` and
+    `finish(st)`, the certificate. `_solve_one` runs them; `_solve_local` runs them over a
+    batch, finishing stage 1's stragglers on a compacted sub-batch.
 
     **Stage 1, interior point** (`phase = 0`): a primal barrier method with primal-dual
     Hessians. For a barrier weight $\\tau$ it minimises
@@ -570,15 +585,19 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
             w = jnp.where(A, (lsrc * cbar)[:, None], 0.0)
         # First iteration: dual estimates from the starting point.
         ysafe = jnp.where(A, y, 1.0)
-        s = jnp.where(st["fresh"], jnp.where(A, tau * w / ysafe, 0.0), s)
+        # Reciprocals of the flows (and below of the duals), formed once per pass: the
+        # divisions over the (n, n) arcs are the most expensive elementwise work.
+        iy = 1.0 / ysafe
+        s = jnp.where(st["fresh"], jnp.where(A, tau * w * iy, 0.0), s)
         red = c - nu[:, None]
         act = act | (~ipm & A & (red < -1e-9 * cbar[:, None]))
         rp = jnp.where(src, jnp.sum(jnp.where(act, y, 0.0), axis=1) - lam, 0.0)
         Pt = jnp.clip(dF * ell / jnp.maximum(hN, _TINY), _TINY, _HUGE)
         Pmax = jnp.max(jnp.where(fed, Pt, 0.0))
+        i_s = 1.0 / jnp.where(A, s, 1.0)
         E = jnp.where(
             ipm,
-            jnp.where(A, ysafe / jnp.where(A, s, 1.0), 0.0),
+            jnp.where(A, ysafe * i_s, 0.0),
             # (the proximal weight uses the curvature floored at 1e-6 of the largest, so
             # that a nearly flat cell, e.g. one of huge capacity, does not make E explode)
             jnp.where(act, 1.0 / (_POLISH_REG * jnp.maximum(Pt, 1e-6 * Pmax)[None, :]), 0.0),
@@ -591,15 +610,15 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
             mu = jnp.sum(jnp.where(A, y * s, 0.0)) / sw
             sch = _schur(E, Pt, src)
             dy_a, _ = sch.solve(jnp.where(A, red, 0.0), rp)
-            ds_a = jnp.where(A, -s - s * dy_a / ysafe, 0.0)
+            ds_a = jnp.where(A, -s - s * dy_a * iy, 0.0)
             ap = jnp.minimum(
                 1.0,
                 jnp.minimum(
-                    _step_to_boundary(y, dy_a, A),
+                    _step_to_boundary_inv(iy, dy_a, A),
                     _step_to_boundary(cap - z, -jnp.sum(dy_a, axis=0), fed),
                 ),
             )
-            ad = jnp.minimum(1.0, _step_to_boundary(s, ds_a, A))
+            ad = jnp.minimum(1.0, _step_to_boundary_inv(i_s, ds_a, A))
             mu_a = jnp.sum(jnp.where(A, (y + ap * dy_a) * (s + ad * ds_a), 0.0)) / sw
             sigma = jnp.clip((jnp.maximum(mu_a, 0.0) / jnp.maximum(mu, _TINY)) ** 3, 0.0, 1.0)
             # Safeguard: the weight stays above a fraction of the relative demand residual,
@@ -608,7 +627,7 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
             tau = jnp.maximum(sigma * mu, jnp.minimum(mu, _KAPPA * infeas))
             # Corrector: the barrier step at weight tau, same factors (the right-hand side
             # red - tau w / y is formed first: combining two solves would cancel).
-            dy, dnu = sch.solve(jnp.where(A, red - tau * w / ysafe, 0.0), rp)
+            dy, dnu = sch.solve(jnp.where(A, red - tau * w * iy, 0.0), rp)
         else:
             q = jnp.where(act, red, 0.0)
             shift = jnp.where(fed, -dF * h / jnp.maximum(hN, _TINY), 0.0)
@@ -622,16 +641,16 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         amax = jnp.minimum(
             1.0,
             jnp.minimum(
-                0.995 * _step_to_boundary(y, dy, A),
+                0.995 * _step_to_boundary_inv(iy, dy, A),
                 _CAP_FRAC * _step_to_boundary(cap - z, -dz, fed),
             ),
         )
         rho = 2.0 * jnp.max(jnp.where(src, jnp.abs(nun), 0.0)) + cs
         rp1 = jnp.sum(jnp.abs(rp))
-        d0 = jnp.minimum(jnp.sum(jnp.where(A, (c - bw / ysafe) * dy, 0.0)) - rho * rp1, 0.0)
+        d0 = jnp.minimum(jnp.sum(jnp.where(A, (c - bw * iy) * dy, 0.0)) - rho * rp1, 0.0)
         # Armijo through the trapezoid rule, with room for the rounding error of the slope
         # (near the barrier minimiser the slope is at the level of its own rounding).
-        noise = 1e-12 * jnp.sum(jnp.where(A, jnp.abs(c * dy) + jnp.abs(bw / ysafe * dy), 0.0))
+        noise = 1e-12 * jnp.sum(jnp.where(A, jnp.abs(c * dy) + jnp.abs(bw * iy * dy), 0.0))
         thresh = -(1.0 - 4e-4) * d0 + noise
         # No descent left above the rounding level: the barrier problem is solved, so the
         # primal step is skipped (the duals still move).
@@ -669,21 +688,22 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
         w1 = jnp.where(A, (lsrc * cbar1)[:, None], 0.0)
         # Dual step of the primal-dual system: S dy + Y ds = tau w - Y S, at most 0.995 of
         # the way to s = 0 (also taken when the primal step is flat).
-        ds = jnp.where(A, bw / ysafe - s - s * dy / ysafe, 0.0)
-        a_s = jnp.minimum(1.0, 0.995 * _step_to_boundary(s, ds, A))
+        ds = jnp.where(A, (bw - s * dy) * iy - s, 0.0)
+        a_s = jnp.minimum(1.0, 0.995 * _step_to_boundary_inv(i_s, ds, A))
         s1 = jnp.where(good | flat, jnp.where(A, s + a_s * ds, 0.0), s)
         # Complementarity gap of the new point, per unit weight.
         tau1 = jnp.sum(jnp.where(A, y1 * s1, 0.0)) / (jnp.sum(w1) + _TINY)
         # Dual residual of the new point: its costs against the multipliers and duals.
-        rd = jnp.max(jnp.where(A, jnp.abs(ct - nun[:, None] - s1), 0.0) / cbar1[:, None])
+        rd = jnp.max(jnp.where(A, jnp.abs(ct - nun[:, None] - s1), 0.0) * (1.0 / cbar1)[:, None])
         gap_tol = jnp.where(st["retry"], _IPM_SWITCH, _IPM_TOL)
         conv = feas & (tau1 * deg <= gap_tol) & (rd <= _RD * gap_tol)
         end_ipm = conv | ~(good | flat) | (st["it"] + 1 >= max_iters)
         # Support for stage 2: y_ij / lambda_i against s_ij / cbar_i, plus the largest arc
         # of every source; everything else is switched off.
-        sup = A & (y1 / lsrc[:, None] >= tau1 * w1 / jnp.where(A, y1, 1.0) / cbar1[:, None])
-        top = jnp.argmax(jnp.where(A, y1, -jnp.inf), axis=1)
-        sup = sup | ((idx[None, :] == top[:, None]) & A)
+        # (with w1 = lambda_i cbar_i on A this reads y_ij >= sqrt(tau1) lambda_i)
+        sup = A & (y1 >= jnp.sqrt(tau1) * lsrc[:, None])
+        top = jnp.max(jnp.where(A, y1, -jnp.inf), axis=1)
+        sup = sup | (A & (y1 >= top[:, None]))
 
         # ---- stage 2: active-set Newton step ----
         # Scaled residual of the current point, to keep the best one.
@@ -756,32 +776,154 @@ def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
             out[k] = jnp.where(back, v, out[k])
         return out
 
-    # Stage 1, stage 2, and (only for scenarios whose early polish failed) both again.
-    st = st0
-    for _ in range(2):
-        st = jax.lax.while_loop(cond_ipm, lambda st: body(st, True), st)
-        st = jax.lax.while_loop(cond_polish, lambda st: body(st, False), st)
-    cert = _certify(pb, st["best_y"], st["best_N"])
-    cert["iterations"] = st["it"] + st["ptot"]
-    # success: certified; not_converged: the interior point stopped early (iteration cap
-    # or failed line search) or the certificate is above tol; nonfinite: a converged run
-    # that still produced a non-finite value.
-    status = jnp.where(
-        cert["kkt_residual"] <= tol,
-        EQ_STATUS["success"],
-        jnp.where(
-            ~cert["finite"] & st["converged"], EQ_STATUS["nonfinite"], EQ_STATUS["not_converged"]
-        ),
+    def finish(st):
+        cert = _certify(pb, st["best_y"], st["best_N"])
+        cert["iterations"] = st["it"] + st["ptot"]
+        # success: certified; not_converged: the interior point stopped early (iteration
+        # cap or failed line search) or the certificate is above tol; nonfinite: a
+        # converged run that still produced a non-finite value.
+        status = jnp.where(
+            cert["kkt_residual"] <= tol,
+            EQ_STATUS["success"],
+            jnp.where(
+                ~cert["finite"] & st["converged"],
+                EQ_STATUS["nonfinite"],
+                EQ_STATUS["not_converged"],
+            ),
+        )
+        cert.pop("finite")
+        cert["status"] = status
+        return cert
+
+    return _Stages(st0, cond_ipm, cond_polish, body, finish)
+
+
+class _Stages(NamedTuple):
+    st0: dict
+    cond_ipm: Callable
+    cond_polish: Callable
+    body: Callable
+    finish: Callable
+
+    def ipm(self, st):
+        """Stage 1 to its end (no pass if the scenario is not in stage 1)."""
+        return jax.lax.while_loop(self.cond_ipm, lambda st: self.body(st, True), st)
+
+    def polish(self, st):
+        return jax.lax.while_loop(self.cond_polish, lambda st: self.body(st, False), st)
+
+
+def _solve_one(scn: Scenario, lam, tol, max_iters, *, cost: str):
+    """Interior point, then polish, then (only for scenarios whose early polish failed)
+    both again, for one scenario (theory/equilibria.md §3; the stages are `_stages`)."""
+    S = _stages(scn, lam, tol, max_iters, cost=cost)
+    st = S.polish(S.ipm(S.st0))
+    return S.finish(S.polish(S.ipm(st)))
+
+
+# Sub-batch sizes (fractions of one device's batch) through which a stage's stragglers
+# are compacted (`_solve_local`); batches below _COMPACT_MIN scenarios are not compacted.
+_COMPACT_LEVELS = (4, 16)
+_COMPACT_MIN = 32
+
+
+def _tree_where(on, new, old):
+    return jax.tree_util.tree_map(
+        lambda a, b: jnp.where(on.reshape(on.shape + (1,) * (a.ndim - 1)), a, b), new, old
     )
-    cert.pop("finite")
-    cert["status"] = status
-    return cert
 
 
-@eqx.filter_jit
-def _solve_batch(scn, lam, tol, max_iters, *, cost):
+def _compacted(each, cond, step, args, st, sizes):
+    """Run a stage (`step(S)(st)` while `cond(S)(st)`) to its end on every scenario of the
+    batch `args = (scn, lam)`, compacting its stragglers.
+
+    The batch makes passes only while more than `sizes[0]` of its scenarios are still in
+    the stage; those left are gathered into a sub-batch of that size (padded with copies
+    of a scenario that is not in the stage, on which no pass is made), which continues
+    the same way with `sizes[1:]`, and the last one runs to the end. The results are
+    scattered back. Each scenario makes exactly the passes it would make alone.
+    """
+    in_stage = each(lambda S, st: cond(S)(st))
+    if not sizes:
+        return each(lambda S, st: jax.lax.while_loop(cond(S), step(S), st))(*args, st)
+    C = sizes[0]
+
+    def one_pass(st):
+        new = each(lambda S, st: step(S)(st))(*args, st)
+        return _tree_where(in_stage(*args, st), new, st)
+
+    st = jax.lax.while_loop(lambda st: jnp.sum(in_stage(*args, st)) > C, one_pass, st)
+    todo = in_stage(*args, st)
+    # at most C scenarios are left and at least one is not (C < batch): pad with that one
+    idx = jnp.nonzero(todo, size=C, fill_value=jnp.argmin(todo))[0]
+    sub_args, sub_st = jax.tree_util.tree_map(lambda a: a[idx], (args, st))
+    sub_st = _compacted(each, cond, step, sub_args, sub_st, sizes[1:])
+    return jax.tree_util.tree_map(lambda a, b: a.at[idx].set(b), st, sub_st)
+
+
+def _solve_local(scn, lam, tol, max_iters, *, cost: str):
+    """`_solve_one` over a batch (one device's shard), with each stage's stragglers
+    compacted (`_compacted`).
+
+    Under `vmap` a convergence loop runs until its slowest scenario is done, and every
+    pass costs the whole batch. The passes vary (on 10-cell networks, 10-21 interior-point
+    passes for the Wardrop cost, mean 14), so each stage runs on the full batch only while
+    more than a quarter of it is still in that stage, then on a quarter-size sub-batch
+    while more than a sixteenth is, then on a sixteenth-size one (`_COMPACT_LEVELS`).
+    Each scenario follows exactly the passes of `_solve_one`; only the batch it shares a
+    pass with changes.
+    """
+    B = lam.shape[0]
+    if B < _COMPACT_MIN:
+        return jax.vmap(lambda s, l: _solve_one(s, l, tol, max_iters, cost=cost))(scn, lam)
+    sizes = tuple(max(B // f, 1) for f in _COMPACT_LEVELS)
+
+    def each(f):
+        return jax.vmap(lambda s, l, *a: f(_stages(s, l, tol, max_iters, cost=cost), *a))
+
+    def ipm(st, sizes):
+        return _compacted(
+            each, lambda S: S.cond_ipm, lambda S: lambda st: S.body(st, True), (scn, lam), st, sizes
+        )
+
+    def polish(st, sizes):
+        return _compacted(
+            each,
+            lambda S: S.cond_polish,
+            lambda S: lambda st: S.body(st, False),
+            (scn, lam),
+            st,
+            sizes,
+        )
+
+    st = each(lambda S: S.st0)(scn, lam)
+    # Two rounds, as in `_solve_one`: the second only for scenarios whose early polish
+    # failed (few: its loops go straight to the smallest sub-batch). One traced round
+    # serves both, which halves the compile time.
+    st = jax.lax.fori_loop(0, 2, lambda _, st: polish(ipm(st, sizes), sizes), st)
+    return each(lambda S, st: S.finish(st))(scn, lam, st)
+
+
+def _solve_batch_impl(scn, lam, tol, max_iters, *, cost):
     _TRACES[cost] += 1
-    return jax.vmap(lambda s, l: _solve_one(s, l, tol, max_iters, cost=cost))(scn, lam)
+    # tol and max_iters are closed over (replicated); only the batch is split per device,
+    # so each device runs its own convergence loops (`per_device`).
+    return per_device(
+        functools.partial(_solve_local, tol=tol, max_iters=max_iters, cost=cost)
+    )(scn, lam)
+
+
+@functools.cache
+def _solver(cost: str):
+    """The compiled batched solver of one cost (built on first use, with the solvers'
+    XLA options)."""
+    return jax.jit(
+        functools.partial(_solve_batch_impl, cost=cost), compiler_options=compiler_options()
+    )
+
+
+def _solve_batch(scn, lam, tol, max_iters, *, cost):
+    return _solver(cost)(scn, lam, tol, max_iters)
 
 
 # ----------------------------------------------------------------------------------------
