@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         default=50,
         help="all-M/M/1 networks timed with cvxpy, per cost (50)",
     )
-    ap.add_argument("--repeats", type=int, default=3, help="timed JAX repeats, best kept (3)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed JAX repeats, best kept (5)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the JSON record to this file")
     args = ap.parse_args(argv)
