@@ -299,7 +299,10 @@ def _schur(E, P, src) -> _Schur:
     f = jnp.sum(E, axis=0)
     W = 1.0 / (f + 1.0 / P)
     EW = E * W[None, :]
-    off = -(EW @ E.T)
+    # S's off-diagonal part as a sum of n outer products (n is static): XLA fuses it into
+    # one elementwise pass, about 3x faster on CPU than its batched `dot` of tiny
+    # matrices.
+    off = -sum(EW[:, j][:, None] * E[:, j][None, :] for j in range(n))
     both = src[:, None] & src[None, :] & ~eye
     off = jnp.where(both, off, 0.0)
     excess = jnp.where(src, jnp.sum(EW / P[None, :], axis=1), 1.0)
