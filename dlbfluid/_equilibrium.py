@@ -128,14 +128,22 @@ def inverse_rate(service: ServiceModel, z, guess=None, *, max_iter: int = 60):
     return jnp.where(inside, out, jnp.inf)
 
 
-# Gauss-Legendre rule for the potentials of softplus cells (8 panels x 16 nodes).
+# Gauss-Legendre rule for the potentials of softplus cells: 16 nodes on each of 8
+# panels graded towards the knee, with edges at N0 + s * _GL_EDGES (then clipped to the
+# integration window). The integrand is analytic with poles at distance pi (in units of
+# s) from the real axis, and deviates from its asymptotes only within a few s of the
+# knee: graded panels reach rounding level (8e-16 relative, against 64 x 32 uniform
+# panels) where 8 uniform panels of 16 nodes, the same work, stopped at 2e-10.
 _GL_X, _GL_W = np.polynomial.legendre.leggauss(16)
-_PANELS = 8
+_GL_EDGES = np.array([-40.0, -20.0, -10.0, -5.0, 0.0, 5.0, 10.0, 20.0, 40.0])
 
 
-def _gl_integral(fun, a, b):
-    """$\\int_a^b$ `fun` by composite Gauss-Legendre (elementwise over cells)."""
-    edges = a[..., None] + (b - a)[..., None] * jnp.linspace(0.0, 1.0, _PANELS + 1)
+def _gl_integral(fun, knee, width, a, b):
+    """$\\int_a^b$ `fun` by composite Gauss-Legendre on panels graded towards `knee`
+    (elementwise over cells; $[a, b] \\subseteq$ knee $\\pm 40$ width)."""
+    edges = jnp.clip(
+        knee[..., None] + width[..., None] * jnp.asarray(_GL_EDGES), a[..., None], b[..., None]
+    )
     lo, hi = edges[..., :-1], edges[..., 1:]
     mid, half = 0.5 * (lo + hi), 0.5 * (hi - lo)
     nodes = mid[..., None] + half[..., None] * jnp.asarray(_GL_X)
@@ -150,7 +158,8 @@ def potential(cost: str, scn: Scenario, z, N):
     latency $\\ln(1+N)$; M/M/1 RIF $(-z + \\bar\\mu\\ln(1+N))/k$. Softplus latency and RIF
     split $[0, N]$ at $N_0 \\mp 40s$: below the knee $\\ell \\equiv L_0$ (exact to $e^{-40}$),
     above it $\\ell = a_0 + \\beta n$ (closed forms), and the knee window is integrated by
-    composite Gauss-Legendre.
+    composite Gauss-Legendre on panels graded towards the knee (`_gl_integral`; about
+    1e-15 relative).
     """
     svc = scn.service
     if cost == "gradient":
@@ -182,7 +191,7 @@ def potential(cost: str, scn: Scenario, z, N):
 
         left = a
         right = (a0 / beta) * jnp.log((a0 + beta * Nf) / (a0 + beta * b))
-        p_sp = left + _gl_integral(fun, a, b) + right
+        p_sp = left + _gl_integral(fun, N0, s, a, b) + right
         p_mm1 = jnp.log1p(Nf)
     elif cost == "rif":
         # integrand (n/k) mu' = n q / (k l^2)
@@ -196,7 +205,7 @@ def potential(cost: str, scn: Scenario, z, N):
             + a0 / (a0 + beta * Nf)
             - a0 / (a0 + beta * b)
         )
-        p_sp = (left + _gl_integral(fun, a, b) + right) / scn.replicas
+        p_sp = (left + _gl_integral(fun, N0, s, a, b) + right) / scn.replicas
         p_mm1 = (-z + cap * jnp.log1p(Nf)) / scn.replicas
     else:
         raise ValueError(f"cost = {cost!r} is invalid: allowed costs are {list(COSTS)}")

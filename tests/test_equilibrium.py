@@ -366,7 +366,7 @@ def test_softplus_potentials_against_quadrature():
                     lambda t, f=f: f(inv(t)), 0.0, z, epsabs=1e-13, epsrel=1e-12, limit=200
                 )
                 got = float(eqm.potential(cost, s, zv, Nv)[j])
-                assert got == pytest.approx(ref, rel=1e-9)
+                assert got == pytest.approx(ref, rel=1e-11)
 
 
 # ----------------------------------------------------------------------------------------
