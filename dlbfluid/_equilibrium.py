@@ -528,7 +528,6 @@ def _stages(scn: Scenario, lam, tol, max_iters, *, cost: str):
     lam = pb.lam
     cap = scn.service.capacity
     lsrc = jnp.where(src, lam, 1.0)
-    idx = jnp.arange(lam.shape[0])
     deg = jnp.max(jnp.sum(A, axis=1))
 
     def levels(c):
@@ -920,9 +919,9 @@ def _solve_batch_impl(scn, lam, tol, max_iters, *, cost):
     _TRACES[cost] += 1
     # tol and max_iters are closed over (replicated); only the batch is split per device,
     # so each device runs its own convergence loops (`per_device`).
-    return per_device(
-        functools.partial(_solve_local, tol=tol, max_iters=max_iters, cost=cost)
-    )(scn, lam)
+    return per_device(functools.partial(_solve_local, tol=tol, max_iters=max_iters, cost=cost))(
+        scn, lam
+    )
 
 
 @functools.cache

@@ -52,6 +52,8 @@ def _softplus_sigmoid_jvp(primals, tangents):
     e = jnp.exp(-jnp.abs(u))
     dg = e / (1.0 + e) ** 2 * du
     return (sp, sm, gp, gm), (gp * du, -gm * du, dg, -dg)
+
+
 MODEL_CODES = {"mm1": MM1, "softplus": SOFTPLUS}
 
 

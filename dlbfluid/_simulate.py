@@ -461,9 +461,7 @@ def _simulate_batch_sharded(scn, eta, h, save_ticks, **static):
     # Each device runs its shard on its own (`per_device`): the adaptive integrator's
     # step loops would otherwise all-reduce their batched conditions across devices at
     # every step.
-    return per_device(functools.partial(_simulate_batch_impl, **static))(
-        scn, eta, h, save_ticks
-    )
+    return per_device(functools.partial(_simulate_batch_impl, **static))(scn, eta, h, save_ticks)
 
 
 def _simulate_batch_impl(

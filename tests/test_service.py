@@ -16,8 +16,13 @@ INV = [1.015778, 1.037446, 1.458962, 3.883439, 12.470773, 60.5, 220.5]
 
 def softplus_model(n, dtype=jnp.float64, L0=1.0, cap=10.0, knee=5.0, width=2.0):
     f = lambda v: jnp.full(n, v, dtype)
-    return dl.ServiceModel(model=jnp.ones(n, jnp.int32), capacity=f(cap), base_latency=f(L0),
-                           knee=f(knee), width=f(width))
+    return dl.ServiceModel(
+        model=jnp.ones(n, jnp.int32),
+        capacity=f(cap),
+        base_latency=f(L0),
+        knee=f(knee),
+        width=f(width),
+    )
 
 
 def test_softplus_table():
@@ -31,14 +36,21 @@ def test_softplus_table():
 
 def test_mm1_closed_forms():
     cap = 3.0
-    s = dl.ServiceModel(model=jnp.zeros(4, jnp.int32), capacity=jnp.full(4, cap),
-                        base_latency=jnp.ones(4), knee=jnp.zeros(4), width=jnp.ones(4))
+    s = dl.ServiceModel(
+        model=jnp.zeros(4, jnp.int32),
+        capacity=jnp.full(4, cap),
+        base_latency=jnp.ones(4),
+        knee=jnp.zeros(4),
+        width=jnp.ones(4),
+    )
     N = jnp.array([0.0, 0.5, 2.0, 40.0])
     np.testing.assert_allclose(s.rate(N), cap * N / (1 + N), rtol=1e-15)
     np.testing.assert_allclose(s.latency(N), (1 + N) / cap, rtol=1e-15)
     np.testing.assert_allclose(s.inv_rate_prime(N), (1 + N) ** 2 / cap, rtol=1e-15)
     z = jnp.array([0.0, 1.0, 2.9, 3.5])
-    np.testing.assert_allclose(s.inverse_rate(z)[:3], np.array([0, 1, 2.9]) / (cap - np.array([0, 1, 2.9])), rtol=1e-14)
+    np.testing.assert_allclose(
+        s.inverse_rate(z)[:3], np.array([0, 1, 2.9]) / (cap - np.array([0, 1, 2.9])), rtol=1e-14
+    )
     assert np.isinf(s.inverse_rate(z)[3])
 
 
@@ -60,8 +72,9 @@ def test_float32_without_cancellation(N):
     got = float(s32.inv_rate_prime(n32)[0])
     stable_err = abs(got / ref - 1)
     assert stable_err < 1e-5
-    np.testing.assert_allclose(float(s32.rate(n32)[0]), float(s64.rate(n32.astype(float))[0]),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        float(s32.rate(n32)[0]), float(s64.rate(n32.astype(float))[0]), rtol=1e-6
+    )
 
 
 def test_inverse_rate_softplus_roundtrip():
