@@ -29,6 +29,25 @@ def compiler_options() -> dict:
     return dict(_SOLVER_OPTIONS)
 
 
+def solver_jit(fn, *, jit=jax.jit, **jit_kwargs):
+    """`jit(fn, compiler_options=compiler_options(), **jit_kwargs)`, built on the first
+    call (so that importing the package does not start the backend)."""
+
+    @functools.cache
+    def build():
+        return jit(fn, compiler_options=compiler_options(), **jit_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return build()(*args, **kwargs)
+
+    return call
+
+
+def _batch_mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+
+
 def shard_batch(tree):
     """Split the leading (batch) axis of every array in `tree` over all devices.
 
@@ -37,8 +56,7 @@ def shard_batch(tree):
     """
     if jax.device_count() == 1:
         return tree
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
-    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    spec = jax.sharding.NamedSharding(_batch_mesh(), jax.sharding.PartitionSpec("batch"))
     return jax.device_put(tree, spec)
 
 
@@ -55,6 +73,5 @@ def per_device(fn):
     """
     if jax.device_count() == 1:
         return fn
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
     spec = jax.sharding.PartitionSpec("batch")
-    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    return jax.shard_map(fn, mesh=_batch_mesh(), in_specs=spec, out_specs=spec, check_vma=False)

@@ -41,7 +41,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ._costs import COSTS, arc_cost, check_cost, destination_cost
-from ._devices import compiler_options, per_device, shard_batch
+from ._devices import per_device, shard_batch, solver_jit
 from ._errors import OverloadError
 from ._scenario import Scenario, check_capacity, pad_scenario
 from ._service import SOFTPLUS, ServiceModel, softplus_sigmoid
@@ -894,26 +894,17 @@ def _solve_local(scn, lam, tol, max_iters, *, cost: str):
     def each(f):
         return jax.vmap(lambda s, l, *a: f(_stages(s, l, tol, max_iters, cost=cost), *a))
 
-    def ipm(st, sizes):
-        return _compacted(
-            each, lambda S: S.cond_ipm, lambda S: lambda st: S.body(st, True), (scn, lam), st, sizes
-        )
+    def stage(cond, stage1):
+        step = lambda S: functools.partial(S.body, stage1=stage1)  # noqa: E731
+        return lambda st: _compacted(each, cond, step, (scn, lam), st, sizes)
 
-    def polish(st, sizes):
-        return _compacted(
-            each,
-            lambda S: S.cond_polish,
-            lambda S: lambda st: S.body(st, False),
-            (scn, lam),
-            st,
-            sizes,
-        )
-
+    ipm = stage(lambda S: S.cond_ipm, True)
+    polish = stage(lambda S: S.cond_polish, False)
     st = each(lambda S: S.st0)(scn, lam)
     # Two rounds, as in `_solve_one`: the second only for scenarios whose early polish
     # failed (few: its loops go straight to the smallest sub-batch). One traced round
     # serves both, which halves the compile time.
-    st = jax.lax.fori_loop(0, 2, lambda _, st: polish(ipm(st, sizes), sizes), st)
+    st = jax.lax.fori_loop(0, 2, lambda _, st: polish(ipm(st)), st)
     return each(lambda S, st: S.finish(st))(scn, lam, st)
 
 
@@ -926,17 +917,8 @@ def _solve_batch_impl(scn, lam, tol, max_iters, *, cost):
     )
 
 
-@functools.cache
-def _solver(cost: str):
-    """The compiled batched solver of one cost (built on first use, with the solvers'
-    XLA options)."""
-    return jax.jit(
-        functools.partial(_solve_batch_impl, cost=cost), compiler_options=compiler_options()
-    )
-
-
-def _solve_batch(scn, lam, tol, max_iters, *, cost):
-    return _solver(cost)(scn, lam, tol, max_iters)
+# The compiled batched solver, with the solvers' XLA options.
+_solve_batch = solver_jit(_solve_batch_impl, static_argnames=("cost",))
 
 
 # ----------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def softplus_sigmoid(u):
     free of cancellation. float64 exponentials and logarithms are the costliest
     elementwise operations of the solvers on CPU, and `jax.nn.softplus`/`jax.nn.sigmoid`
     of $\\pm u$ would take four exponentials and two logarithms. The derivative is given
-    exactly ($\\mathrm{sp}' = \\sigma$, $\\sigma' = e/(1+e)^2$), also at $u = 0$.
+    exactly ($\\mathrm{sp}' = \\sigma$, $\\sigma'(u) = \\sigma(u)\\sigma(-u)$), also at $u = 0$.
     """
     e = jnp.exp(-jnp.abs(u))
     l1p = jnp.log1p(e)
@@ -49,8 +49,7 @@ def softplus_sigmoid(u):
 def _softplus_sigmoid_jvp(primals, tangents):
     (u,), (du,) = primals, tangents
     sp, sm, gp, gm = softplus_sigmoid(u)
-    e = jnp.exp(-jnp.abs(u))
-    dg = e / (1.0 + e) ** 2 * du
+    dg = gp * gm * du  # sigma' = sigma(u) sigma(-u) = e/(1+e)^2, no cancellation
     return (sp, sm, gp, gm), (gp * du, -gm * du, dg, -dg)
 
 

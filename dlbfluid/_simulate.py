@@ -38,7 +38,7 @@ import numpy as np
 from ._arrivals import rate_integral
 from ._aversion import ErrorAversion, apply_aversion, aversion_update, ema_update
 from ._costs import route_costs
-from ._devices import compiler_options, per_device, shard_batch
+from ._devices import per_device, shard_batch, solver_jit
 from ._policies import AbstractPolicy, policy_from_name
 from ._scenario import Scenario, replica_scale
 from ._solution import STATUS, Solution
@@ -446,22 +446,16 @@ def _record(scn, eta, h, carry, k, *, policy, hist):
     )
 
 
-def _simulate_batch(*args, **kwargs):
-    """The compiled batch simulation (`_simulate_batch_impl`), with the solvers' XLA
-    options (`compiler_options`: on one CPU device a quarter to a third less time per call)."""
-    return _simulate_batch_jit()(*args, **kwargs)
-
-
-@functools.cache
-def _simulate_batch_jit():
-    return eqx.filter_jit(_simulate_batch_sharded, compiler_options=compiler_options())
-
-
 def _simulate_batch_sharded(scn, eta, h, save_ticks, **static):
     # Each device runs its shard on its own (`per_device`): the adaptive integrator's
     # step loops would otherwise all-reduce their batched conditions across devices at
     # every step.
     return per_device(functools.partial(_simulate_batch_impl, **static))(scn, eta, h, save_ticks)
+
+
+# The compiled batch simulation, with the solvers' XLA options (`compiler_options`: on
+# one CPU device a quarter to a third less time per call).
+_simulate_batch = solver_jit(_simulate_batch_sharded, jit=eqx.filter_jit)
 
 
 def _simulate_batch_impl(
