@@ -289,6 +289,19 @@ def _append(path: Path, rows: list[dict]) -> None:
 # ----------------------------------------------------------------------------------------
 
 
+# The metric keys of every summary row, besides variant, policy, runs and failed (the
+# README's JSON contract; `summarise` writes them).
+SUMMARY_FIELDS = (
+    "normalized_latency",
+    "normalized_latency_p10",
+    "normalized_latency_p50",
+    "normalized_latency_p90",
+    "mean_latency",
+    "error_rate",
+    "error_rate_p90",
+)
+
+
 def summarise(rows: list[dict], policies=POLICIES) -> list[dict]:
     """Per `(variant, policy)`: mean latency normalised by Rand's on the same scenario and
     trial, its mean and 10/50/90th percentiles across scenarios x trials, the raw mean

@@ -22,20 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dlbfluid._experiment import KINDS, POLICIES
+from dlbfluid._experiment import KINDS, POLICIES, SUMMARY_FIELDS
 
 DLB = ("disc-rif", "disc-lat", "disc-grad", "flow-rif", "flow-lat", "flow-grad")
 RIF = ("disc-rif", "flow-rif")
 MODEL_BASED = ("disc-lat", "disc-grad", "flow-lat", "flow-grad")
-FIELDS = (
-    "normalized_latency",
-    "normalized_latency_p10",
-    "normalized_latency_p50",
-    "normalized_latency_p90",
-    "mean_latency",
-    "error_rate",
-    "error_rate_p90",
-)
+FIELDS = SUMMARY_FIELDS  # the metric keys of a summary row
 
 # Tolerances of the checks (stated once, used everywhere).
 BASELINE_BAND = (0.7, 0.9)  # "about 20% better than Rand": mean DLB normalised latency

@@ -169,6 +169,7 @@ def test_cli_json_contract(first_run, capsys):
         "error_rate",
         "error_rate_p90",
     }
+    assert set(ex.SUMMARY_FIELDS) < set(got["summary"][0])  # the constant the notebook reads
 
 
 def test_cli_rejects_bad_policy(capsys, tmp_path):
