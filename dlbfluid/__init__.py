@@ -9,7 +9,12 @@ import jax as _jax
 _jax.config.update("jax_enable_x64", True)
 
 from ._aversion import ErrorAversion as ErrorAversion
+from ._costs import RIF as RIF
+from ._costs import AbstractCost as AbstractCost
+from ._costs import Gradient as Gradient
+from ._costs import Latency as Latency
 from ._costs import arc_cost as arc_cost
+from ._costs import cost_from_name as cost_from_name
 from ._costs import destination_cost as destination_cost
 from ._costs import route_costs as route_costs
 from ._equilibrium import EQ_STATUS as EQ_STATUS
@@ -29,6 +34,8 @@ from ._experiment import run_experiment as run_experiment
 from ._generator import GeneratedScenarios as GeneratedScenarios
 from ._generator import generate as generate
 from ._generator import scenario_dicts as scenario_dicts
+from ._integrators import AbstractIntegrator as AbstractIntegrator
+from ._integrators import TickResult as TickResult
 from ._lyapunov import Diagnostics as Diagnostics
 from ._lyapunov import fit_theorem1 as fit_theorem1
 from ._lyapunov import lyapunov_diagnostics as lyapunov_diagnostics
@@ -39,12 +46,24 @@ from ._mnlb import MNLBInfo as MNLBInfo
 from ._mnlb import mnlb_weights as mnlb_weights
 from ._policies import MNLB as MNLB
 from ._policies import POLICY_NAMES as POLICY_NAMES
+from ._policies import AbstractCostPolicy as AbstractCostPolicy
 from ._policies import AbstractPolicy as AbstractPolicy
+from ._policies import AversionState as AversionState
 from ._policies import DiscreteRouting as DiscreteRouting
+from ._policies import ErrorAverse as ErrorAverse
 from ._policies import FlowRouting as FlowRouting
+from ._policies import Observation as Observation
+from ._policies import TickSetup as TickSetup
 from ._policies import WeightedRandom as WeightedRandom
 from ._policies import policy_from_name as policy_from_name
 from ._projection import project_simplex as project_simplex
+from ._registry import COSTS as COSTS
+from ._registry import POLICIES as POLICIES
+from ._registry import SERVICE_MODELS as SERVICE_MODELS
+from ._registry import register_cost as register_cost
+from ._registry import register_policy as register_policy
+from ._registry import register_service_model as register_service_model
+from ._results import RESULTS as RESULTS
 from ._scenario import Scenario as Scenario
 from ._scenario import check_capacity as check_capacity
 from ._scenario import default_scenario as default_scenario
@@ -54,9 +73,14 @@ from ._scenario import scenario_from_dict as scenario_from_dict
 from ._scenario import scenario_to_dict as scenario_to_dict
 from ._scenario import stack_scenarios as stack_scenarios
 from ._scenario import weighted_random_routing as weighted_random_routing
+from ._service import MM1 as MM1
+from ._service import AbstractServiceModel as AbstractServiceModel
 from ._service import ServiceModel as ServiceModel
+from ._service import Softplus as Softplus
 from ._simulate import Accurate as Accurate
 from ._simulate import Fast as Fast
+from ._simulate import SimState as SimState
+from ._simulate import Totals as Totals
 from ._simulate import simulate as simulate
 from ._solution import STATUS as STATUS
 from ._solution import SimulationError as SimulationError

@@ -27,10 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._costs import check_cost, destination_cost
+from ._costs import AbstractCost, cost_from_name
 from ._equilibrium import solve_equilibrium
 from ._scenario import Scenario
-from ._service import SOFTPLUS
 
 
 def _spanning_forest(flow: np.ndarray, support: np.ndarray) -> np.ndarray:
@@ -54,22 +53,17 @@ def _spanning_forest(flow: np.ndarray, support: np.ndarray) -> np.ndarray:
     return keep
 
 
-def _residual(u, theta, scn: Scenario, T, has_arc, cost: str):
+def _residual(u, theta, scn: Scenario, T, has_arc, cost: AbstractCost):
     """$G(u, \\theta)$ of the module docstring, each block scaled to order one."""
     y, z, nu, N = u
     cap, lam, tau = theta
-    svc = dataclasses.replace(scn.service, capacity=cap)
+    svc = eqx.tree_at(lambda s: s.params["capacity"], scn.service, cap)
     s2 = dataclasses.replace(scn, service=svc, latency=tau)
-    g = jnp.zeros_like(tau) if cost == "rif" else 2.0 * tau
-    F = destination_cost(cost, s2, jnp.maximum(N, 1e-300))
-    beta = 1.0 / cap
-    sp = svc.model == SOFTPLUS
-    a0 = svc.base_latency - beta * svc.knee
-    rest = jnp.where(sp, a0 + beta * svc.width * jax.nn.softplus((svc.knee - N) / svc.width), beta)
-    G1 = jnp.where(T, F[None, :] + g - nu[:, None], y)
+    F = cost.destination(s2, jnp.maximum(N, 1e-300))
+    G1 = jnp.where(T, F[None, :] + cost.arc(s2) - nu[:, None], y)
     G2 = jnp.where(has_arc, jnp.sum(y, axis=1) - lam, nu)
     G3 = jnp.sum(y, axis=0) - z
-    G4 = N * (cap - z) / cap - z * rest
+    G4 = svc.balance(N, z)[0]
     return G1, G2, G3, G4
 
 
@@ -77,7 +71,7 @@ class _Parts(eqx.Module):
     scn: Scenario
     T: jax.Array
     has_arc: jax.Array
-    cost: str = eqx.field(static=True)
+    cost: AbstractCost = eqx.field(static=True)
 
 
 @eqx.filter_jit
@@ -139,7 +133,7 @@ def equilibrium_sensitivities(
     **Raises:** `ValueError` for a batched scenario or an unknown cost; the errors of
     `solve_equilibrium`.
     """
-    check_cost(cost)
+    cost = cost_from_name(cost)
     if len(scenario.batch_shape) != 0:
         raise ValueError(
             "equilibrium_sensitivities needs one unbatched scenario; loop over "
@@ -161,8 +155,8 @@ def equilibrium_sensitivities(
     T = _spanning_forest(np.where(support, y + 1e-300, 0.0), support)
     y = np.where(T, y, 0.0)
     # Multipliers: the cost of the support arcs (equal on each source at equilibrium).
-    F = np.asarray(destination_cost(cost, scn, jnp.asarray(sol.N)))
-    g = np.zeros((n, n)) if cost == "rif" else 2.0 * np.asarray(scn.latency)
+    F = np.asarray(cost.destination(scn, jnp.asarray(sol.N)))
+    g = np.asarray(cost.arc(scn))
     c = F[None, :] + g
     nu = np.where(has_arc, np.sum(np.where(T, c, 0.0), axis=1) / np.maximum(T.sum(1), 1), 0.0)
     u = (jnp.asarray(y), jnp.asarray(sol.z), jnp.asarray(nu), jnp.asarray(sol.N))

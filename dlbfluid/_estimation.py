@@ -24,10 +24,11 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
-from ._service import MM1, SOFTPLUS, ServiceModel
+from ._results import RESULTS, status_names, view
+from ._service import ServiceModel, code, latency_asymptotic
 
-FIT_STATUS = {"converged": 0, "not_converged": 1, "nonfinite": 2}
-FIT_STATUS_NAMES = {v: k for k, v in FIT_STATUS.items()}
+FIT_STATUS = view("success", "not_converged", "nonfinite", aliases={"converged": "success"})
+"""The `RESULTS` codes a fit can end with (`converged` is another name of `success`)."""
 
 _N_PARAMS = 4  # theta = (a0, beta, N0, s)
 _LO_QUANTILE = 0.1  # samples below this workload quantile set the initial flat level
@@ -81,9 +82,9 @@ def _check_int(name: str, value, *, minimum: int) -> int:
 
 
 def _latency_theta(theta, N):
-    """$\\ell(N) = a_0 + \\beta N + \\beta s\\,\\mathrm{sp}((N_0 - N)/s)$ (always $> a_0$)."""
-    a0, beta, knee, width = theta
-    return a0 + beta * (N + width * jax.nn.softplus((knee - N) / width))
+    """$\\ell(N) = a_0 + \\beta N + \\beta s\\,\\mathrm{sp}((N_0 - N)/s)$ (always $> a_0$):
+    the softplus law in fit coordinates (`dlbfluid._service.softplus.latency_asymptotic`)."""
+    return latency_asymptotic(*theta, N)
 
 
 def _theta_from_raw(r):
@@ -106,7 +107,7 @@ def theta_from_service(service: ServiceModel):
     """
     beta = 1.0 / service.capacity
     a0 = service.base_latency - service.knee * beta
-    mm1 = service.model == MM1
+    mm1 = service.model == code("mm1")
     return (
         jnp.where(mm1, beta, a0),
         beta,
@@ -120,12 +121,8 @@ def service_from_theta(a0, beta, knee, width) -> ServiceModel:
     a0, beta, knee, width = jnp.broadcast_arrays(
         *(jnp.asarray(v, dtype=jnp.result_type(float)) for v in (a0, beta, knee, width))
     )
-    return ServiceModel(
-        model=jnp.full(a0.shape, SOFTPLUS, jnp.int32),
-        capacity=1.0 / beta,
-        base_latency=a0 + beta * knee,
-        knee=knee,
-        width=width,
+    return ServiceModel.of(
+        "softplus", capacity=1.0 / beta, base_latency=a0 + beta * knee, knee=knee, width=width
     )
 
 
@@ -140,16 +137,14 @@ def _sample(service, key, n_samples, noise, max_load):
     zero = jnp.zeros_like(flat.capacity)
     n_max = max_load * flat.capacity * flat.latency(zero)
 
-    def one(k, model, cap, L0, knee, width, nmax):
-        cell = ServiceModel(model, cap, L0, knee, width)
+    def one(k, cell, nmax):
         kn, kz = jr.split(k)
-        N = jr.uniform(kn, (n_samples,), minval=0.0, maxval=nmax, dtype=cap.dtype)
-        z = jr.normal(kz, (n_samples,), dtype=cap.dtype)
+        dtype = cell.capacity.dtype
+        N = jr.uniform(kn, (n_samples,), minval=0.0, maxval=nmax, dtype=dtype)
+        z = jr.normal(kz, (n_samples,), dtype=dtype)
         return N, cell.latency(N) * jnp.exp(noise * z)
 
-    N, y = jax.vmap(one)(
-        keys, flat.model, flat.capacity, flat.base_latency, flat.knee, flat.width, n_max
-    )
+    N, y = jax.vmap(one)(keys, flat, n_max)
     return N.reshape(shape + (n_samples,)), y.reshape(shape + (n_samples,))
 
 
@@ -204,8 +199,9 @@ class FitInfo(eqx.Module):
     - `rmse`: its square root, about the relative error of one sample.
     - `grad_norm`: $\\|\\nabla\\|_\\infty$ of the normalised loss in the raw coordinates.
     - `steps`: optimiser steps taken (Adam steps plus L-BFGS steps).
-    - `status`: `FIT_STATUS` code: 0 converged (`grad_norm <= gtol`), 1 not converged
-      (step budget spent), 2 non-finite (the data or the loss produced NaN/inf).
+    - `status`: a `RESULTS` code: `success` (converged: `grad_norm <= gtol`),
+      `not_converged` (step budget spent), `nonfinite` (the data or the loss produced
+      NaN/inf).
     """
 
     loss: Float[Array, "..."]
@@ -214,10 +210,9 @@ class FitInfo(eqx.Module):
     steps: Int[Array, "..."]
     status: Int[Array, "..."]
 
-    @property
     def status_names(self) -> np.ndarray:
-        """The status codes as strings (`"converged"`, `"not_converged"`, `"nonfinite"`)."""
-        return np.vectorize(FIT_STATUS_NAMES.get, otypes=[object])(np.asarray(self.status))
+        """Per-cell status names (`RESULTS`: `"success"`, `"not_converged"`, `"nonfinite"`)."""
+        return status_names(self.status)
 
 
 def _normalise(N, y):
@@ -312,8 +307,8 @@ def _fit_one(n, y, r_init, use_init, steps, polish_steps, learning_rate, gtol):
     finite = jnp.isfinite(f) & jnp.isfinite(gnorm) & jnp.all(jnp.isfinite(r))
     status = jnp.where(
         ~finite,
-        FIT_STATUS["nonfinite"],
-        jnp.where(gnorm <= gtol, FIT_STATUS["converged"], FIT_STATUS["not_converged"]),
+        RESULTS.nonfinite,
+        jnp.where(gnorm <= gtol, RESULTS.success, RESULTS.not_converged),
     )
     return _theta_from_raw(r), f, gnorm, steps + k, status
 
@@ -417,10 +412,10 @@ def fit_latency_model(
                 f"{getattr(getattr(init, 'capacity', None), 'shape', None)} is invalid: "
                 f"expected a softplus ServiceModel of the cells' shape {cells}"
             )
-        if _is_concrete(init.model) and not bool(jnp.all(init.model == SOFTPLUS)):
+        if _is_concrete(init.model) and not bool(jnp.all(init.model == code("softplus"))):
             raise ValueError(
                 f"init.model = {np.asarray(init.model).tolist()} is invalid: expected softplus "
-                f"cells (code {SOFTPLUS}) only"
+                f"cells (code {code('softplus')}) only"
             )
         th = jnp.stack([v.reshape(-1) for v in theta_from_service(init)], axis=-1)
         positive = jnp.all(th[:, 0] > 0) & jnp.all(th[:, 1] > 0) & jnp.all(th[:, 3] > 0)
@@ -472,19 +467,7 @@ def _perturb(service, key, eps):
     xi = jr.uniform(
         key, service.capacity.shape, minval=-1.0, maxval=1.0, dtype=service.capacity.dtype
     )
-    c = 1.0 + eps * xi
-    # (c a0, c beta, c N0, c s) back in stored fields: mubar/c, c N0, c s and
-    # L0' = c a0 + c^2 beta N0 = c (L0 + (c - 1) N0/mubar), written so that c = 1 is exact.
-    mm1 = service.model == MM1
-    L0 = c * (service.base_latency + (c - 1.0) * service.knee / service.capacity)
-    out = ServiceModel(
-        model=service.model,
-        capacity=jnp.where(mm1, c * service.capacity, service.capacity / c),
-        base_latency=jnp.where(mm1, service.base_latency, L0),
-        knee=jnp.where(mm1, service.knee, c * service.knee),
-        width=jnp.where(mm1, service.width, c * service.width),
-    )
-    return out, xi
+    return service.perturb(1.0 + eps * xi), xi
 
 
 def perturb_service(service: ServiceModel, eps: float, seed, *, return_xi: bool = False):

@@ -25,19 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from ._aversion import ErrorAversion
-from ._policies import MNLB, policy_from_name
+from ._policies import MNLB, FlowRouting, policy_from_name
+from ._registry import BUILTIN_POLICIES
+from ._registry import POLICIES as _REGISTRY
 from ._scenario import scenario_from_dict, stack_scenarios
 
-POLICIES = (
-    "rand",
-    "mnlb",
-    "disc-rif",
-    "disc-lat",
-    "disc-grad",
-    "flow-rif",
-    "flow-lat",
-    "flow-grad",
-)
+POLICIES = ("rand", "mnlb") + tuple(p for p in BUILTIN_POLICIES if p not in ("rand", "mnlb"))
+"""The default policies, baselines first (any registered policy may be named)."""
 UTILISATIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 NOISE_LEVELS = (0.0, 0.1, 0.25, 0.5)
 FIT_SAMPLES = 500
@@ -131,9 +125,9 @@ class ExperimentConfig:
             )
         pols = tuple(self.policies)
         for p in pols:
-            if p not in POLICIES:
+            if p not in _REGISTRY:
                 raise ValueError(
-                    f"policies: {p!r} is invalid: allowed policies are {list(POLICIES)}"
+                    f"policies: {p!r} is invalid: allowed policies are {list(_REGISTRY.names())}"
                 )
         if "rand" not in pols:
             raise ValueError(
@@ -453,9 +447,10 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
             cache = {"variant": v, "batch": _variant_batch(cfg, opts)}
         nominal, batch, util = cache["batch"]
         pol = policy_from_name(p)
-        if p == "mnlb":
+        if isinstance(pol, MNLB):
             pol = MNLB(update_period=cfg.mnlb_period, utilisation_cap=cfg.mnlb_cap)
-        if p.startswith("flow"):
+        flow = isinstance(pol, FlowRouting)
+        if flow:
             eta_s = _step_sizes(cfg, nominal, p)
         else:
             eta_s = np.ones(cfg.scenarios)
@@ -481,7 +476,7 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
                     "trial": t,
                     "n_cells": int(n_cells[k]),
                     "utilisation": f"{util[s]:.6g}",
-                    "step_size": f"{eta[k]:.6g}" if p.startswith("flow") else "",
+                    "step_size": f"{eta[k]:.6g}" if flow else "",
                     "mean_latency": f"{lat[k]:.10g}" if ok else "",
                     "error_rate": f"{err[k]:.10g}" if ok else "",
                     "status": state,

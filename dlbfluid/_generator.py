@@ -215,8 +215,17 @@ def server_service(
 
 
 def softplus_latency(N, capacity, base_latency, knee, width) -> np.ndarray:
-    """$\\ell(N) = L_0 + (s/\\bar\\mu)\\,\\mathrm{sp}((N-N_0)/s)$ in float64 numpy."""
-    return base_latency + width / capacity * np.logaddexp(0.0, (N - knee) / width)
+    """$\\ell(N) = L_0 + (s/\\bar\\mu)\\,\\mathrm{sp}((N-N_0)/s)$, float64 (the softplus law,
+    `dlbfluid._service.Softplus.latency`), as numpy."""
+    from ._service import Softplus
+
+    p = {
+        "capacity": jnp.asarray(capacity, jnp.float64),
+        "base_latency": jnp.asarray(base_latency, jnp.float64),
+        "knee": jnp.asarray(knee, jnp.float64),
+        "width": jnp.asarray(width, jnp.float64),
+    }
+    return np.asarray(Softplus().latency(p, jnp.asarray(N, jnp.float64)))
 
 
 def buffer_size(capacity, base_latency, knee, width, *, load: float = BUFFER_LOAD) -> np.ndarray:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from ._costs import arc_cost, check_cost, destination_cost
+from ._costs import cost_from_name
 from ._scenario import Scenario
 
 # 32-point Gauss-Legendre rule on [0, 1] for Phi (f is smooth; exact for RIF).
@@ -33,18 +33,20 @@ _GL_X = 0.5 * (_GL_X + 1.0)
 _GL_W = 0.5 * _GL_W
 
 
-def workload_potential(cost: str, scn: Scenario, N, N_star):
+def workload_potential(cost, scn: Scenario, N, N_star):
     """$\\Phi(N) = \\sum_j \\int_{N_j^*}^{N_j} (f_j(s) - f_j^*)\\,ds$ (Gauss-Legendre, 32 nodes)."""
-    f_star = destination_cost(cost, scn, N_star)
+    cost = cost_from_name(cost)
+    f_star = cost.destination(scn, N_star)
     s = N_star[..., None, :] + _GL_X[:, None] * (N - N_star)[..., None, :]
-    integrand = destination_cost(cost, scn, s) - f_star[..., None, :]
+    integrand = cost.destination(scn, s) - f_star[..., None, :]
     per_cell = (N - N_star) * jnp.tensordot(_GL_W, integrand, axes=(0, -2))
     return jnp.sum(jnp.where(scn.cell_mask, per_cell, 0.0), axis=-1)
 
 
-def workload_gap(cost: str, scn: Scenario, N, N_star):
+def workload_gap(cost, scn: Scenario, N, N_star):
     """$D_j(N) = (f_j(N_j) - f_j^*)(\\mu_j(N_j) - \\mu_j(N_j^*))$, per cell."""
-    df = destination_cost(cost, scn, N) - destination_cost(cost, scn, N_star)
+    cost = cost_from_name(cost)
+    df = cost.destination(scn, N) - cost.destination(scn, N_star)
     dmu = scn.service.rate(N) - scn.service.rate(N_star)
     return jnp.where(scn.cell_mask, df * dmu, 0.0)
 
@@ -98,10 +100,11 @@ def _cumtrapz(y, t):
 
 
 def _diagnostics_impl(cost, scn, N_star, x_star, eta, h, t, N, x):
+    cost = cost_from_name(cost)
     lam = scn.arrival_rate(0.0)
     tau = jnp.where(scn.allowed, scn.latency, 0.0)
-    g = arc_cost(cost, scn)
-    f_star = destination_cost(cost, scn, N_star)
+    g = cost.arc(scn)
+    f_star = cost.destination(scn, N_star)
     c_star = jnp.where(scn.allowed, f_star[None, :] + g, 0.0)
     idx = jnp.arange(t.shape[0])
     x_del = _delayed(x, h, tau, idx, piecewise_constant=True)  # (S, n, n)
@@ -113,8 +116,8 @@ def _diagnostics_impl(cost, scn, N_star, x_star, eta, h, t, N, x):
     slack = jnp.sum(lam * jnp.sum(dx * c_star, axis=-1), axis=-1)
     dx_del = jnp.where(scn.allowed, x_del - x_star, 0.0)
     slack_del = jnp.sum(lam * jnp.sum(dx_del * c_star, axis=-1), axis=-1)
-    c_now = destination_cost(cost, scn, N)[:, None, :] + g
-    c_seen = destination_cost(cost, scn, N_del) + g
+    c_now = cost.destination(scn, N)[:, None, :] + g
+    c_seen = cost.destination(scn, N_del) + g
     gamma = jnp.where(scn.allowed, dx_del * c_now - dx * c_seen, 0.0)
     mismatch = jnp.sum(lam[:, None] * gamma, axis=(-2, -1))
     safe_t = jnp.where(t > 0, t, 1.0)
@@ -154,7 +157,7 @@ def lyapunov_diagnostics(
 
     **Returns:** `Diagnostics` (theory/lyapunov.md).
     """
-    check_cost(cost)
+    cost = cost_from_name(cost)
     t = jnp.asarray(solution.t)
     h = float(solution.tick)
     if solution.t.ndim != 1:

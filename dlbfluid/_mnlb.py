@@ -32,13 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-MNLB_STATUS = {"success": 0, "not_converged": 1, "nonfinite": 2}
-MNLB_STATUS_NAMES = {v: k for k, v in MNLB_STATUS.items()}
-MNLB_STATUS_MESSAGES = {
-    0: "success",
-    1: "the interior-point method did not reach `tol` within `max_iters` iterations",
-    2: "a non-finite value appeared",
-}
+from ._results import RESULTS, view
+
+MNLB_STATUS = view("success", "not_converged", "nonfinite")
+"""The `RESULTS` codes of `mnlb_weights`."""
 
 _TOL = 1e-10  # relative primal/dual residual, duality gap and per-source complementarity
 _STALL = 8  # iterations without a better iterate after which the method stops
@@ -63,7 +60,7 @@ class MNLBInfo(eqx.Module):
     - `overloaded`: True where `overflow` exceeds $10^{-9}\\sum_i\\lambda_i$.
     - `latency`: the network-latency objective $\\sum_{ij}\\tau_{ij}\\lambda_i x_{ij}$
       (requests in flight on the network, one way).
-    - `status`: `MNLB_STATUS` code; `gap`: relative duality gap of the penalised program;
+    - `status`: `RESULTS` code; `gap`: relative duality gap of the penalised program;
       `residual`: largest relative primal/dual residual; `iterations`: interior-point
       iterations used.
     """
@@ -349,7 +346,7 @@ def _solve_one(lam, tau, allowed, mu_bar, cell_mask, cap, *, max_iters, tol):
     latency = jnp.sum(jnp.where(arcs, tau, 0.0) * lam[:, None] * xw)
     finite = jnp.isfinite(err) & jnp.all(jnp.isfinite(xw))
     status = jnp.where(
-        ~finite, MNLB_STATUS["nonfinite"], jnp.where(err <= tol, 0, MNLB_STATUS["not_converged"])
+        ~finite, RESULTS.nonfinite, jnp.where(err <= tol, RESULTS.success, RESULTS.not_converged)
     ).astype(jnp.int32)
     overloaded = overflow > _OVERLOAD * total
     info = MNLBInfo(

@@ -22,7 +22,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from ._errors import OverloadError, ScenarioError
-from ._service import MM1, MODEL_CODES, SOFTPLUS, ServiceModel
+from ._registry import SERVICE_MODELS
+from ._service import ServiceModel, law, service_from_cells
 
 
 class Scenario(eqx.Module):
@@ -166,42 +167,14 @@ def _parse_profile(field: str, value: Any) -> tuple[list[float], list[float]]:
     return [0.0], [rate]
 
 
-def _parse_service(field: str, value: Any) -> tuple[int, float, float, float, float]:
+def _parse_service(field: str, value: Any) -> tuple[str, dict[str, float]]:
+    """`(law name, parameters)` of one cell's `service` object, validated by its law."""
     if not isinstance(value, dict):
         raise _err(field, value, "expected an object with a 'model' key")
     model = value.get("model")
-    if model not in MODEL_CODES:
-        raise _err(f"{field}.model", model, f"allowed models: {sorted(MODEL_CODES)}")
-    if model == "mm1":
-        unknown = set(value) - {"model", "capacity"}
-        if unknown:
-            raise _err(field, value, f"unknown keys {sorted(unknown)} for model 'mm1'")
-        cap = _finite_number(f"{field}.capacity", value.get("capacity"), minimum=0.0, strict=True)
-        return MM1, cap, 1.0, 0.0, 1.0
-    unknown = set(value) - {"model", "capacity", "base_latency", "knee", "width"}
-    if unknown:
-        raise _err(field, value, f"unknown keys {sorted(unknown)} for model 'softplus'")
-    cap = _finite_number(f"{field}.capacity", value.get("capacity"), minimum=0.0, strict=True)
-    L0 = _finite_number(
-        f"{field}.base_latency", value.get("base_latency"), minimum=0.0, strict=True
-    )
-    knee = _finite_number(f"{field}.knee", value.get("knee"))
-    width = _finite_number(f"{field}.width", value.get("width"), minimum=0.0, strict=True)
-    a0 = L0 - knee / cap
-    if a0 < 0:
-        raise ScenarioError(
-            f"{field}: a0 = base_latency - knee/capacity = {L0} - {knee}/{cap} = {a0:.6g} < 0: "
-            "the processing rate mu(N) = N/l(N) overshoots the capacity and then falls, so it "
-            "is not monotone (Assumption 1). Allowed: knee < base_latency * capacity."
-        )
-    if a0 <= 1e-12 * max(L0, 1.0):
-        raise ScenarioError(
-            f"{field}: a0 = base_latency - knee/capacity = {a0:.3g} (knee exactly at "
-            "base_latency * capacity): the gradient cost 1/mu'(N) then grows exponentially and "
-            "violates Assumption 3 (it overflows in floating point). Allowed: "
-            "knee < base_latency * capacity."
-        )
-    return SOFTPLUS, cap, L0, knee, width
+    if not isinstance(model, str) or model not in SERVICE_MODELS:
+        raise _err(f"{field}.model", model, f"allowed models: {sorted(SERVICE_MODELS.names())}")
+    return model, law(model).parse(field, value)
 
 
 _CELL_KEYS = (
@@ -213,17 +186,6 @@ _CELL_KEYS = (
     "buffer",
     "replica_schedule",
 )
-
-
-def _service_from_rows(rows) -> ServiceModel:
-    sv = np.array(rows, dtype=float)
-    return ServiceModel(
-        model=jnp.asarray(sv[:, 0].astype(np.int32)),
-        capacity=jnp.asarray(sv[:, 1]),
-        base_latency=jnp.asarray(sv[:, 2]),
-        knee=jnp.asarray(sv[:, 3]),
-        width=jnp.asarray(sv[:, 4]),
-    )
 
 
 def _parse_replica_schedule(field: str, cell: dict, k: float) -> tuple[list, list]:
@@ -395,7 +357,7 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     else:
         x0 = weighted_random_routing(allowed, k)
 
-    service = _service_from_rows(services)
+    service = service_from_cells(services)
     Q = max(len(sch[0]) for sch in schedules)
     rep_t = np.array([sch[0] + [sch[0][-1]] * (Q - len(sch[0])) for sch in schedules])
     rep_k = np.array([sch[1] + [sch[1][-1]] * (Q - len(sch[1])) for sch in schedules])
@@ -414,7 +376,7 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
         buffer=jnp.asarray(np.array(buffers)),
         replica_times=jnp.asarray(rep_t),
         replica_counts=jnp.asarray(rep_k),
-        estimate=_service_from_rows(estimates),
+        estimate=service_from_cells(estimates),
     )
     if not allow_overload:
         check_capacity(scn)
@@ -449,18 +411,6 @@ def default_scenario() -> Scenario:
     return scenario_from_dict(json.loads(text))
 
 
-def _service_to_dict(s: ServiceModel, j: int) -> dict:
-    if int(s.model[j]) == MM1:
-        return {"model": "mm1", "capacity": float(s.capacity[j])}
-    return {
-        "model": "softplus",
-        "base_latency": float(s.base_latency[j]),
-        "capacity": float(s.capacity[j]),
-        "knee": float(s.knee[j]),
-        "width": float(s.width[j]),
-    }
-
-
 def scenario_to_dict(scn: Scenario) -> dict:
     """Inverse of `scenario_from_dict` for one unpadded scenario (profiles as breakpoints)."""
     mask = np.asarray(scn.cell_mask)
@@ -479,9 +429,9 @@ def scenario_to_dict(scn: Scenario) -> dict:
             "name": names[j],
             "arrival_rate": rate,
             "replicas": int(scn.replicas[j]),
-            "service": _service_to_dict(s, j),
+            "service": s.cell_dict(j),
         }
-        est = _service_to_dict(scn.estimate, j)
+        est = scn.estimate.cell_dict(j)
         if est != cell["service"]:
             cell["estimated_service"] = est
         if np.isfinite(float(scn.buffer[j])):
@@ -597,11 +547,25 @@ def check_capacity(scn: Scenario, *, rel_margin: float = 1e-9) -> None:
 # ----------------------------------------------------------------------------------------
 
 
+def _param_default(sv: ServiceModel, key: str) -> float:
+    for name in sv.laws:
+        if key in law(name).defaults:
+            return law(name).defaults[key]
+    return 1.0
+
+
 def pad_scenario(
-    scn: Scenario, n: int, n_breakpoints: int | None = None, n_schedule: int | None = None
+    scn: Scenario,
+    n: int,
+    n_breakpoints: int | None = None,
+    n_schedule: int | None = None,
+    *,
+    laws: tuple[str, ...] | None = None,
+    est_laws: tuple[str, ...] | None = None,
 ) -> Scenario:
     """Pad one scenario to `n` cells (`n_breakpoints` arrival breakpoints, `n_schedule`
-    replica-schedule entries)."""
+    replica-schedule entries); `laws`, `est_laws` widen the service tables of `service`
+    and `estimate` to those laws (for stacking scenarios of different laws)."""
     m = scn.n_cells
     if n < m:
         raise ValueError(f"cannot pad a {m}-cell scenario to n = {n} cells")
@@ -634,21 +598,25 @@ def pad_scenario(
     rep_t = np.concatenate([rep_t, np.repeat(rep_t[:, -1:], Qn - Q, axis=1)], axis=1)
     rep_k = np.concatenate([rep_k, np.repeat(rep_k[:, -1:], Qn - Q, axis=1)], axis=1)
 
-    def service(sv):
+    def service(sv: ServiceModel, laws) -> ServiceModel:
+        # Padded cells follow the table's first law at its default parameters: they never
+        # see traffic, and a table of one law evaluates one law.
+        sv = sv.with_laws(laws)
+        first = law(sv.laws[0])
+        params = {
+            k: jnp.asarray(cells(v, first.defaults.get(k, _param_default(sv, k))))
+            for k, v in sv.params.items()
+        }
         return ServiceModel(
-            model=jnp.asarray(cells(sv.model, MM1)),
-            capacity=jnp.asarray(cells(sv.capacity, 1.0)),
-            base_latency=jnp.asarray(cells(sv.base_latency, 1.0)),
-            knee=jnp.asarray(cells(sv.knee, 0.0)),
-            width=jnp.asarray(cells(sv.width, 1.0)),
+            jnp.asarray(cells(sv.model, SERVICE_MODELS.index(sv.laws[0]))), params, laws=sv.laws
         )
 
     return Scenario(
         arrival_times=jnp.asarray(cells(times, 0.0)),
         arrival_rates=jnp.asarray(cells(rates, 0.0)),
         replicas=jnp.asarray(cells(scn.replicas, 1.0)),
-        service=service(scn.service),
-        estimate=service(scn.estimate),
+        service=service(scn.service, laws if laws is not None else scn.service.laws),
+        estimate=service(scn.estimate, est_laws if est_laws is not None else scn.estimate.laws),
         buffer=jnp.asarray(cells(scn.buffer, np.inf)),
         replica_times=jnp.asarray(cells(rep_t, 0.0)),
         replica_counts=jnp.asarray(cells(rep_k, 1.0)),
@@ -670,7 +638,9 @@ def stack_scenarios(scenarios: Sequence[Scenario], n_cells: int | None = None) -
     n = max(s.n_cells for s in scenarios) if n_cells is None else n_cells
     P = max(s.arrival_times.shape[-1] for s in scenarios)
     Q = max(s.replica_times.shape[-1] for s in scenarios)
-    padded = [pad_scenario(s, n, P, Q).strip() for s in scenarios]
+    laws = tuple(dict.fromkeys(n for s in scenarios for n in s.service.laws))
+    est = tuple(dict.fromkeys(n for s in scenarios for n in s.estimate.laws))
+    padded = [pad_scenario(s, n, P, Q, laws=laws, est_laws=est).strip() for s in scenarios]
     leaves = [eqx.filter(p, eqx.is_array) for p in padded]
     import jax
 

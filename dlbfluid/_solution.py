@@ -7,13 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-STATUS = {"success": 0, "nonfinite": 1, "solver_failed": 2}
-STATUS_NAMES = {v: k for k, v in STATUS.items()}
-STATUS_MESSAGES = {
-    0: "success",
-    1: "a non-finite value appeared; the scenario was frozen at its last finite state",
-    2: "the adaptive solver failed inside a tick (max_steps reached or step size underflow)",
-}
+from ._results import RESULTS, raise_for_status, status_names, view
+
+STATUS = view("success", "nonfinite", "solver_failed", "negative_workload", "mass_balance")
+"""The `RESULTS` codes a simulation can end with."""
 
 
 class SimulationError(RuntimeError):
@@ -68,7 +65,7 @@ class Solution(eqx.Module):
         of the horizon, by Little's law:
         $\\int \\sum_j N_j\\,dt \\,/\\, (\\int\\sum_i\\lambda_i\\,dt - D)
         + \\int \\sum_{ij} 2\\tau_{ij}\\lambda_i x_{ij}\\,dt \\,/\\, \\int \\sum_i \\lambda_i\\,dt$,
-        with $D$ the dropped flow (theory/dynamics.md, *Latency*; without drops this is
+        with $D$ the dropped flow (theory/model.md, *Latency*; without drops this is
         $[\\int \\sum_j N_j + \\int \\sum_{ij} 2\\tau_{ij}\\lambda_i x_{ij}]/\\int\\sum_i\\lambda_i$)."""
         s0 = self._start(window)
         work = self.workload_integral[..., -1] - self.workload_integral[..., s0]
@@ -98,17 +95,12 @@ class Solution(eqx.Module):
         return jnp.max(jnp.max(seg, axis=-2) - jnp.min(seg, axis=-2), axis=-1)
 
     def status_names(self) -> np.ndarray:
-        return np.vectorize(STATUS_NAMES.get)(np.asarray(self.status))
+        """Per-scenario status names (`RESULTS`)."""
+        return status_names(self.status)
 
     def raise_for_status(self) -> None:
-        st = np.atleast_1d(np.asarray(self.status))
-        bad = np.nonzero(st != STATUS["success"])[0]
-        if bad.size:
-            codes = sorted(set(st[bad].tolist()))
-            raise SimulationError(
-                f"{bad.size} scenario(s) failed (indices {bad[:10].tolist()}): "
-                + "; ".join(STATUS_MESSAGES[c] for c in codes)
-            )
+        """Raise `SimulationError` if any scenario did not end with `success`."""
+        raise_for_status(self.status, SimulationError)
 
     def summary(self, window: float = 0.5) -> dict:
         """The JSON contract of `dlbfluid simulate --json` (one unbatched solution)."""
@@ -129,7 +121,7 @@ class Solution(eqx.Module):
             },
             "final_change": float(self.final_change),
             "oscillation": float(self.oscillation()),
-            "status": STATUS_NAMES[int(self.status)],
+            "status": RESULTS.name(int(self.status)),
             "cells": list(self.cell_names),
         }
 

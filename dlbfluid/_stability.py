@@ -30,8 +30,7 @@ theory/stability.md §5).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import functools
 import math
 
 import equinox as eqx
@@ -41,12 +40,13 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 
-from ._costs import arc_cost, destination_cost
 from ._policies import AbstractPolicy, FlowRouting, policy_from_name
+from ._registry import flow_policy_names
 from ._scenario import Scenario
 
 METHODS = ("auto", "symmetric", "pseudospectral")
 FLOW_POLICIES = ("flow-grad", "flow-lat", "flow-rif")
+"""The built-in flow policies (`dlbfluid._registry.flow_policy_names` lists all)."""
 DEFAULT_NODES = 16
 _NO_ROOT = complex(math.nan, math.nan)  # no crossing: eta* is 0 or infinite
 
@@ -54,51 +54,26 @@ _NO_ROOT = complex(math.nan, math.nan)  # no crossing: eta* is 0 or infinite
 # Small dense linear algebra on one BLAS thread
 # ----------------------------------------------------------------------------------------
 
-_BLAS_CONTROLS: list | None = None
 
-
-def _blas_controls() -> list:
-    """`(get, set)` thread-count functions of every OpenBLAS loaded in this process (numpy's
-    and scipy's), found once through `/proc/self/maps`; empty where that is unavailable."""
-    global _BLAS_CONTROLS
-    if _BLAS_CONTROLS is None:
-        found = []
-        try:
-            with open("/proc/self/maps") as fh:
-                paths = sorted({ln.split()[-1] for ln in fh if "openblas" in ln.lower()})
-            for path in paths:
-                lib = ctypes.CDLL(path)
-                for pre in ("", "scipy_"):
-                    for suf in ("", "64_"):
-                        get = getattr(lib, f"{pre}openblas_get_num_threads{suf}", None)
-                        set_ = getattr(lib, f"{pre}openblas_set_num_threads{suf}", None)
-                        if get is not None and set_ is not None:
-                            get.restype = ctypes.c_int
-                            set_.argtypes = [ctypes.c_int]
-                            found.append((get, set_))
-        except (OSError, ValueError, IndexError):
-            found = []
-        _BLAS_CONTROLS = found
-    return _BLAS_CONTROLS
-
-
-@contextlib.contextmanager
 def _one_blas_thread():
     """Run the eigenvalue problems (matrices of a few hundred rows) on one BLAS thread.
 
     Multithreaded OpenBLAS busy-waits between the small kernels of `dgeev`; on a machine
     whose cores are shared (a busy CI runner, or JAX's own thread pool) one `eigvals` of a
-    120 x 120 matrix was measured at 1.25 s instead of 17 ms. The thread counts are
-    restored on exit."""
-    ctl = _blas_controls()
-    saved = [get() for get, _ in ctl]
-    try:
-        for _, set_ in ctl:
-            set_(1)
-        yield
-    finally:
-        for (_, set_), n in zip(ctl, saved):
-            set_(max(int(n), 1))
+    120 x 120 matrix was measured at 1.25 s instead of 17 ms. `threadpoolctl` limits every
+    BLAS loaded in the process (numpy's and scipy's) and restores them on exit."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def _on_one_blas_thread(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _one_blas_thread():
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 # ----------------------------------------------------------------------------------------
@@ -177,23 +152,30 @@ def symmetric_critical_step_size(a: float, fprime: float, lam: float, tau: float
 # ----------------------------------------------------------------------------------------
 
 
+def _flow_names() -> list[str]:
+    """The flow policies a stability analysis takes: the built-in ones, then any others."""
+    return list(FLOW_POLICIES) + [p for p in flow_policy_names() if p not in FLOW_POLICIES]
+
+
 def _flow_policy(policy) -> FlowRouting:
+    allowed = _flow_names()
     if isinstance(policy, str):
-        if policy not in FLOW_POLICIES:
+        pol = policy_from_name(policy) if policy in allowed else None
+        if not isinstance(pol, FlowRouting):
             raise ValueError(
                 f"policy = {policy!r} is invalid for a stability analysis: allowed policies "
-                f"are {list(FLOW_POLICIES)} (discrete and random routing have no step size "
+                f"are {allowed} (discrete and random routing have no step size "
                 "and no linearisation; see `herding` for discrete routing)"
             )
-        return policy_from_name(policy)
+        return pol
     if isinstance(policy, FlowRouting):
         return policy
     if isinstance(policy, AbstractPolicy):
         raise ValueError(
             f"policy = {policy.name!r} is invalid for a stability analysis: allowed policies "
-            f"are {list(FLOW_POLICIES)}"
+            f"are {allowed}"
         )
-    raise ValueError(f"policy = {policy!r} is invalid: expected one of {list(FLOW_POLICIES)}")
+    raise ValueError(f"policy = {policy!r} is invalid: expected one of {allowed}")
 
 
 def tangent_basis(m: int) -> np.ndarray:
@@ -283,7 +265,7 @@ def linearise(
     $S_i = \\{j: x^*_{ij} > \\text{support\\_tol}\\}$ of each source with $\\lambda_i > 0$. Arcs
     off the support carry a strictly positive reduced cost at a non-degenerate equilibrium,
     so the projection keeps them at 0 for small deviations. $f_j'$ is `jax.jvp` of
-    `destination_cost`; $\\mu_j'$ is `ServiceModel.rate_prime`.
+    `AbstractCost.destination`; $\\mu_j'$ is `ServiceModel.rate_prime`.
 
     **Arguments:**
     - `scenario`: one unbatched `Scenario`.
@@ -327,14 +309,14 @@ def linearise(
         raise ValueError(f"step_weights = {step_weights!r} is invalid: expected {n} numbers > 0")
 
     Nfull = jnp.zeros(scn.n_cells, jnp.float64).at[:n].set(jnp.asarray(Nstar))
-    _, fp = jax.jvp(lambda M: destination_cost(pol.cost, scn, M), (Nfull,), (jnp.ones_like(Nfull),))
+    _, fp = jax.jvp(lambda M: pol.cost.destination(scn, M), (Nfull,), (jnp.ones_like(Nfull),))
     fp = np.asarray(fp, dtype=float)[:n]
     mp = np.asarray(scn.service.rate_prime(Nfull), dtype=float)[:n]
 
     # Reduced costs c_ij - min_k c_ik at N*: zero on the support; an allowed arc with zero
     # flow *and* zero reduced cost is degenerate (the projection is not smooth there).
-    F = np.asarray(destination_cost(pol.cost, scn, Nfull), dtype=float)[:n]
-    c = F[None, :] + np.asarray(arc_cost(pol.cost, scn), dtype=float)[:n, :n]
+    F = np.asarray(pol.cost.destination(scn, Nfull), dtype=float)[:n]
+    c = F[None, :] + np.asarray(pol.cost.arc(scn), dtype=float)[:n, :n]
     c = np.where(allowed, c, np.inf)
     cmin = np.min(c, axis=1, keepdims=True)
     reduced = np.where(allowed, c - np.where(np.isfinite(cmin), cmin, 0.0), np.inf)
@@ -481,7 +463,7 @@ class _Spectrum:
     $D\\mathbf 1 = 0$ and $\\sum_k A_k E = 0$) and $Y$ an orthonormal basis of $X^\\perp$,
     the other eigenvalues are those of $Y^\\top G Y$ (block triangular form)."""
 
-    @_one_blas_thread()
+    @_on_one_blas_thread
     def __init__(self, lin: Linearisation, nodes: int):
         self.lin = lin
         self.nodes = nodes
@@ -495,7 +477,7 @@ class _Spectrum:
             G0, G1 = Y.T @ G0 @ Y, Y.T @ G1 @ Y
         self.G0, self.G1 = G0, G1
 
-    @_one_blas_thread()
+    @_on_one_blas_thread
     def roots(self, eta: float, refine: int = 6) -> np.ndarray:
         lin = self.lin
         ev = scipy.linalg.eigvals(self.G0 + eta * self.G1, check_finite=False)

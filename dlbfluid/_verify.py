@@ -21,9 +21,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._registry import flow_policy_names
 from ._scenario import check_capacity, scenario_from_dict, stack_scenarios
 
 FLOW_POLICIES = (("flow-rif", "rif"), ("flow-lat", "latency"), ("flow-grad", "gradient"))
+"""The built-in flow policies and their cost families (`verify` runs every registered flow
+policy, `flow_policies()`)."""
+
+
+def flow_policies(names=None) -> tuple[tuple[str, str], ...]:
+    """`(policy name, cost name)` of the registered flow policies (or of `names`)."""
+    from ._policies import FlowRouting, policy_from_name
+
+    out = []
+    for p in flow_policy_names() if names is None else names:
+        pol = policy_from_name(p)
+        if not isinstance(pol, FlowRouting):
+            raise ValueError(
+                f"policy = {p!r} is invalid: allowed flow policies are {list(flow_policy_names())}"
+            )
+        out.append((p, pol.cost.name))
+    return tuple(out)
 
 
 def random_network(
@@ -131,7 +149,8 @@ def _quantiles(v) -> dict:
 def summarise(records: list[dict]) -> dict:
     """Fractions converged and quantiles of each diagnostic, per policy."""
     out: dict = {"scenarios": len(records), "policies": {}}
-    for pol, _ in FLOW_POLICIES:
+    names = list(dict.fromkeys(p for r in records for p in r["policies"]))
+    for pol in names:
         rs = [r["policies"][pol] for r in records]
         out["policies"][pol] = {
             "converged_fraction": float(np.mean([r["converged"] for r in rs])) if rs else None,
@@ -206,7 +225,7 @@ def verify(
             {"index": i, "n_cells": s.n_cells, "utilisation": d["utilisation"], "policies": {}}
             for i, s, d in zip(idx, scns, dicts)
         ]
-        for pol, cost in FLOW_POLICIES:
+        for pol, cost in flow_policies():
             eq = solve_equilibrium(batch, cost, throw=False, check=False)
             eta_star = _thresholds(scns, pol, nodes, eq)
             eta_fill = [

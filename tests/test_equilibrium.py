@@ -397,23 +397,23 @@ def test_batch_equals_loop_and_no_recompile():
     assert float(single2.z.sum()) == pytest.approx(0.3, rel=1e-13)
 
 
-def test_compacted_batch_equals_scenario_by_scenario(monkeypatch):
-    """A batch of at least `_COMPACT_MIN` scenarios (per device) finishes each stage's
-    stragglers on compacted sub-batches (`_solve_local`). Every scenario must make
-    exactly the passes it makes alone: iteration counts equal those of a plain `vmap` of
-    `_solve_one`, and the workloads agree to rounding. (The threshold is lowered so that a
-    small batch is compacted; the batch is padded to 5 cells, a shape no other test
-    compiles, so the solver is traced here with the lowered threshold.)"""
-    monkeypatch.setattr(eqm, "_COMPACT_MIN", 16)
+def test_compacted_batch_equals_scenario_by_scenario():
+    """A batch of at least `compact_min` scenarios (per device) finishes each stage's
+    stragglers on compacted sub-batches (`EquilibriumSolver.solve_local`). Every scenario
+    must make exactly the passes it makes alone: iteration counts equal those of a plain
+    `vmap` of `solve_one`, and the workloads agree to rounding. (The threshold is lowered,
+    a field of the solver, so that a small batch is compacted; the batch is padded to 5
+    cells, a shape no other test compiles, so the solver is traced here with it.)"""
+    solver = eqm.EquilibriumSolver(compact_min=16)
     rng = np.random.default_rng(12)
     scns = [random_mm1(rng, load=float(rng.uniform(0.5, 0.97)))[0] for _ in range(37)]
     scns += [heavy_residency(0.99), heavy_residency(0.9), dl.scenario_from_dict(THREE)]
     batch = dl.stack_scenarios(scns, n_cells=5)
     before = eqm._TRACES["gradient"]
-    sol = solve_equilibrium(batch, "gradient")
+    sol = solve_equilibrium(batch, "gradient", solver=solver)
     assert eqm._TRACES["gradient"] == before + 1  # traced here, with the lowered threshold
     assert np.all(np.asarray(sol.status) == EQ_STATUS["success"])
-    solve = jax.jit(jax.vmap(lambda s, l: eqm._solve_one(s, l, 1e-10, 200, cost="gradient")))
+    solve = jax.jit(jax.vmap(lambda s, l: solver.solve_one(s, l, 1e-10, 200, "gradient")))
     flat = batch.strip()
     ref = solve(flat, jax.vmap(lambda s: s.arrival_rate(0.0))(flat))
     it = np.asarray(sol.iterations)
@@ -436,27 +436,29 @@ def test_non_convergence_is_a_status_not_a_crash():
         solve_equilibrium(heavy_residency(0.99), "gradient", max_iters=1)
 
 
-def test_failed_early_polish_resumes_the_interior_point(monkeypatch):
-    """Stage 2 starts early (barrier gap `_IPM_SWITCH`); when that polish fails the solver
-    resumes stage 1 from the point it left and polishes again at the full barrier gap.
+def test_failed_early_polish_resumes_the_interior_point():
+    """Stage 2 starts early (barrier gap `InteriorPoint.switch_gap`); when that polish fails
+    the solver resumes stage 1 from the point it left and polishes again at the full
+    barrier gap.
 
     With the switch forced to a barely centred point (gap 1) the early polish alone ends
-    far from the equilibrium (retry disabled); with the retry the result is certified and
-    equals the default solve."""
+    far from the equilibrium (retry disabled: `ActiveSetPolish.retry` huge); with the
+    retry the result is certified and equals the default solve."""
     s = heavy_residency(0.99)
     ref = solve_equilibrium(s, "gradient")
 
-    def run():
-        f = jax.jit(lambda sc, lam: eqm._solve_one(sc, lam, 1e-10, 200, cost="gradient"))
+    def run(retry):
+        solver = eqm.EquilibriumSolver(
+            interior_point=eqm.InteriorPoint(switch_gap=1.0),
+            polish=eqm.ActiveSetPolish(retry=retry),
+        )
+        f = jax.jit(lambda sc, lam: solver.solve_one(sc, lam, 1e-10, 200, "gradient"))
         return f(s.strip(), s.arrival_rate(0.0))
 
-    monkeypatch.setattr(eqm, "_IPM_SWITCH", 1.0)
-    monkeypatch.setattr(eqm, "_RETRY", 1e300)
-    once = run()
+    once = run(1e300)
     assert int(once["status"]) == EQ_STATUS["not_converged"]
     assert float(once["kkt_residual"]) > 1e-6
-    monkeypatch.setattr(eqm, "_RETRY", 1e-2)
-    again = run()
+    again = run(1e-2)
     assert int(again["status"]) == EQ_STATUS["success"]
     assert float(again["kkt_residual"]) <= 1e-10
     assert int(again["iterations"]) > int(once["iterations"])

@@ -241,7 +241,7 @@ def test_status_flags_unfinished_and_nonfinite_fits(noisy):
     N, y = noisy
     _, info = fit_latency_model(N, y, steps=1, polish_steps=0)
     assert np.all(np.asarray(info.status) == FIT_STATUS["not_converged"])
-    assert list(info.status_names) == ["not_converged"] * 5
+    assert list(info.status_names()) == ["not_converged"] * 5
     assert np.all(np.asarray(info.steps) == 1)
     # The public entry rejects NaN samples up front; the jitted core (as used under a
     # caller's jit, where those checks cannot run) must flag them, not return a silent NaN.

@@ -36,8 +36,8 @@ def test_discrete_update_and_ties():
     allowed = jnp.array([[True, True, True], [True, False, True]])
     c = jnp.array([[2.0, 1.0, 1.0], [3.0, 0.0, 1.0]])
     x = jnp.zeros((2, 3))
-    split = dl.DiscreteRouting("latency").update(x, c, None, allowed)
-    first = dl.DiscreteRouting("latency", tie="first").update(x, c, None, allowed)
+    split = dl.DiscreteRouting("latency").route(x, c, None, allowed)
+    first = dl.DiscreteRouting("latency", tie="first").route(x, c, None, allowed)
     np.testing.assert_allclose(split, [[0, 0.5, 0.5], [0, 0, 1]])  # forbidden arc ignored
     np.testing.assert_allclose(first, [[0, 1, 0], [0, 0, 1]])
 
@@ -46,7 +46,7 @@ def test_flow_update_is_projected_step():
     allowed = jnp.array([[True, True, False]])
     x = jnp.array([[0.5, 0.5, 0.0]])
     c = jnp.array([[1.0, 3.0, -100.0]])
-    new = dl.FlowRouting("gradient").update(x, c, jnp.array([0.1]), allowed)
+    new = dl.FlowRouting("gradient").route(x, c, jnp.array([0.1]), allowed)
     np.testing.assert_allclose(new, [[0.6, 0.4, 0.0]])
 
 

@@ -167,8 +167,8 @@ def test_padded_batch_equals_loop_and_does_not_recompile(monkeypatch, three):
         np.testing.assert_allclose(np.asarray(sol.x[k])[:, :n, :n], one.x, atol=1e-12)
         assert np.all(np.asarray(sol.N[k])[:, n:] == 0)
     traces = []
-    real = sim._init_carry
-    monkeypatch.setattr(sim, "_init_carry", lambda *a, **k: traces.append(1) or real(*a, **k))
+    real = sim._init_state
+    monkeypatch.setattr(sim, "_init_state", lambda *a, **k: traces.append(1) or real(*a, **k))
     other = dl.stack_scenarios([dl.scenario_from_dict(two_mm1(mu1=3.0, tau=0.03)),
                                 dl.scenario_from_dict(THREE)])
     dl.simulate(other, "flow-grad", step_size=np.array([[0.1], [0.2]]), tick=H, horizon=7.0,

@@ -10,8 +10,13 @@ import numpy as np
 
 from ._common import add_run_options, emit_json, table, write_json
 
-DEMO_POLICIES = ("disc-rif", "disc-lat", "disc-grad", "flow-rif", "flow-lat", "flow-grad", "rand")
-_EQ_COST = {"rif": "rif", "lat": "latency", "grad": "gradient"}
+
+def _demo_policies() -> tuple[str, ...]:
+    """Every registered policy that needs no precomputed schedule (MNLB's optimiser is the
+    exception), in registry order."""
+    from .._registry import POLICIES
+
+    return tuple(p for p in POLICIES.names() if p != "mnlb")
 
 
 def register(sub) -> None:
@@ -33,24 +38,30 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _equilibria(scn):
+def _equilibria(scn, costs):
     from .._equilibrium import solve_equilibrium
 
-    return {c: solve_equilibrium(scn, c) for c in ("rif", "latency", "gradient")}
+    return {c: solve_equilibrium(scn, c) for c in costs}
 
 
 def run(args) -> int:
     from .._plot import plot_trajectories
+    from .._policies import policy_from_name
     from .._scenario import default_scenario
     from .._simulate import simulate
 
     scn = default_scenario()
     t0 = time.perf_counter()
-    eq = _equilibria(scn)
+    names = _demo_policies()
+    pols = {p: policy_from_name(p) for p in names}
+    costs = [c.name for c in dict.fromkeys(p.cost for p in pols.values() if p.cost is not None)]
+    if "gradient" not in costs:
+        costs.append("gradient")
+    eq = _equilibria(scn, costs)
     sols, rows, records = [], [], []
     n = scn.n_cells
-    for k, pol in enumerate(DEMO_POLICIES):
-        print(f"[{k + 1}/{len(DEMO_POLICIES)}] simulating {pol} ...", file=sys.stderr, flush=True)
+    for k, pol in enumerate(names):
+        print(f"[{k + 1}/{len(names)}] simulating {pol} ...", file=sys.stderr, flush=True)
         sol = simulate(
             scn,
             pol,
@@ -63,12 +74,12 @@ def run(args) -> int:
         sols.append(sol)
         lat = float(sol.mean_latency(0.25))
         N_T = np.asarray(sol.N[-1])[:n]
-        mech, _, cost = pol.partition("-")
-        if pol == "rand":
+        cost = pols[pol].cost
+        if cost is None:
             dist, ref = float(sol.final_change), "previous tick"
         else:
-            N_star = np.asarray(eq[_EQ_COST[cost]].N)[:n]
-            dist, ref = float(np.max(np.abs(N_T - N_star))), f"N* ({_EQ_COST[cost]})"
+            N_star = np.asarray(eq[cost.name].N)[:n]
+            dist, ref = float(np.max(np.abs(N_T - N_star))), f"N* ({cost.name})"
         osc = float(sol.oscillation())
         status = str(sol.status_names())
         records.append(

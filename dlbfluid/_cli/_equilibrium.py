@@ -9,7 +9,11 @@ import numpy as np
 
 from ._common import emit_json, load_scenario_arg, positive_float, table
 
-_ORDER = ("rif", "latency", "gradient")
+
+def _costs() -> tuple[str, ...]:
+    from .._registry import COSTS
+
+    return COSTS.names()
 
 
 def register(sub) -> None:
@@ -27,9 +31,10 @@ def register(sub) -> None:
     p.add_argument("scenario", metavar="SCENARIO", help="scenario JSON file, or 'default'")
     p.add_argument(
         "--cost",
-        choices=[*_ORDER, "all"],
+        choices=[*_costs(), "all"],
         default="all",
-        help="cost family to solve (default all: the three, plus the price of anarchy)",
+        help="cost family to solve (default all: every registered cost, plus the price of "
+        "anarchy of each against the social optimum)",
     )
     p.add_argument(
         "--tol",
@@ -60,14 +65,15 @@ def _fmt(v: float, digits: int = 6) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._equilibrium import EQ_STATUS_NAMES, solve_equilibrium
+    from .._equilibrium import solve_equilibrium
+    from .._results import RESULTS
 
     if args.max_iters < 1:
         raise ValueError(f"--max-iters = {args.max_iters} is invalid: expected an integer >= 1")
     if not math.isfinite(args.time):
         raise ValueError(f"--time = {args.time} is invalid: expected a finite number")
     scn = load_scenario_arg(args.scenario)
-    costs = _ORDER if args.cost == "all" else (args.cost,)
+    costs = _costs() if args.cost == "all" else (args.cost,)
     sols = {
         c: solve_equilibrium(
             scn, c, tol=args.tol, max_iters=args.max_iters, time=args.time, throw=False
@@ -82,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cost == "all":
         opt = float(sols["gradient"].social_cost)
         out["price_of_anarchy"] = {
-            "latency": float(sols["latency"].social_cost) / opt,
-            "rif": float(sols["rif"].social_cost) / opt,
+            c: float(sols[c].social_cost) / opt for c in costs if c != "gradient"
         }
     ok = all(int(s.status) == 0 for s in sols.values())
     if args.json:
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         [
             c,
-            EQ_STATUS_NAMES[int(sols[c].status)],
+            RESULTS.name(int(sols[c].status)),
             _fmt(float(sols[c].mean_latency)),
             _fmt(float(sols[c].social_cost)),
             f"{float(sols[c].kkt_residual):.1e}",
@@ -117,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
         poa = out["price_of_anarchy"]
         print()
         print(
-            f"price of anarchy: latency (Wardrop) {poa['latency']:.6f}, "
-            f"rif {poa['rif']:.6f} (social cost over the social optimum's)"
+            "price of anarchy: "
+            + ", ".join(f"{c} {v:.6f}" for c, v in poa.items())
+            + " (social cost over the social optimum's)"
         )
     if not ok:
         print("warning: some equilibria did not reach the KKT tolerance (status above)")

@@ -9,6 +9,7 @@ from ._common import emit_json, positive_float, table
 
 def register(sub) -> None:
     from .._experiment import KINDS, POLICIES
+    from .._registry import POLICIES as REGISTERED
 
     p = sub.add_parser(
         "experiment",
@@ -50,7 +51,8 @@ def register(sub) -> None:
         nargs="+",
         default=list(POLICIES),
         metavar="POLICY",
-        help=f"subset of {', '.join(POLICIES)} (rand is required)",
+        choices=REGISTERED.names(),
+        help=f"policies to run (default {', '.join(POLICIES)}; rand is required)",
     )
     p.add_argument(
         "--no-error-aversion",

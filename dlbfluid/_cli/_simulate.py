@@ -49,7 +49,7 @@ def make_integrator(args):
 
 
 def register(sub) -> None:
-    from .._policies import POLICY_NAMES
+    from .._registry import POLICIES
 
     p = sub.add_parser(
         "simulate",
@@ -61,7 +61,7 @@ def register(sub) -> None:
     p.add_argument("scenario", metavar="SCENARIO", help="scenario JSON file, or 'default'")
     p.add_argument(
         "--policy",
-        choices=POLICY_NAMES,
+        choices=POLICIES.names(),
         default="flow-grad",
         help="routing policy (default flow-grad)",
     )

@@ -8,7 +8,7 @@ from ._common import emit_json, load_scenario_arg, positive_float
 
 
 def register(sub) -> None:
-    from .._stability import DEFAULT_NODES, FLOW_POLICIES, METHODS
+    from .._stability import DEFAULT_NODES, METHODS, _flow_names
 
     p = sub.add_parser(
         "stability",
@@ -22,7 +22,7 @@ def register(sub) -> None:
     p.add_argument("scenario", metavar="SCENARIO", help="scenario JSON file, or 'default'")
     p.add_argument(
         "--policy",
-        choices=FLOW_POLICIES,
+        choices=_flow_names(),
         default="flow-grad",
         help="flow-routing policy (default flow-grad)",
     )

@@ -1,80 +1,150 @@
-"""The routing-policy family: what a root router does at each probe tick (seed §3.2.2)."""
+"""The routing-policy family: what a root router does at each probe tick (seed §3.2.2).
+
+A policy is a Module with a stateful update (jax-md style `init`/`step` pair):
+
+* `prepare(scn, h, horizon)`: arrays precomputed per scenario before the tick loop
+  (MNLB's weight schedule); `None` for state-feedback policies;
+* `initial_routing(scn, aux)`: $x^0$, also the routing history on $[-\\bar\\tau, 0]$;
+* `init_state(scn, setup, aux, x0)`: the policy's own state (default: the routing it
+  holds);
+* `update(scn, setup, state, obs, aux)`: the routing $x^{k+1}$ sent on
+  $[t_{k+1}, t_{k+2})$ and the new state, from what the routers observe at $t_{k+1}$
+  (`Observation`).
+
+The simulator never asks which policy it holds. Optional behaviour is a wrapper
+(`ErrorAverse`), not a flag of the loop.
+"""
 
 from __future__ import annotations
 
 import abc
 
 import equinox as eqx
-from jaxtyping import Array, Bool, Float
+import jax
+from jaxtyping import Array, Bool, Float, Int
 
-POLICY_NAMES = (
-    "disc-rif",
-    "disc-lat",
-    "disc-grad",
-    "flow-rif",
-    "flow-lat",
-    "flow-grad",
-    "rand",
-    "mnlb",
-)
-_COST_OF = {"rif": "rif", "lat": "latency", "grad": "gradient"}
+from .._registry import BUILTIN_POLICIES, POLICIES
+
+POLICY_NAMES = BUILTIN_POLICIES
+"""The eight built-in policies (`dlbfluid._registry.POLICIES` also lists registered ones)."""
+
+
+class TickSetup(eqx.Module):
+    """What every tick of one scenario shares (computed once, inside the compiled loop).
+
+    **Fields:**
+    - `tau`: `(n, n)` one-way delays $\\tau_{ij}$ (0 on forbidden arcs).
+    - `m`, `r`: `(n, n)` $\\tau_{ij} = m_{ij}h + r_{ij}$, $0 \\le r_{ij} < h$.
+    - `offsets`: `(n, n)` $h - r_{ij}$, where inside a tick $N_j$ is observed.
+    - `step`: `(n,)` per-router step $\\eta_i h$.
+    - `h`: the tick.
+    - `hist`: (static) length of the ring buffers, more than $\\max m + 1$ ticks.
+    """
+
+    tau: Float[Array, "n n"]
+    m: Int[Array, "n n"]
+    r: Float[Array, "n n"]
+    offsets: Float[Array, "n n"]
+    step: Float[Array, " n"]
+    h: Float[Array, ""]
+    hist: int = eqx.field(static=True)
+
+
+class Observation(eqx.Module):
+    """What the routers see at the update time $t_{k+1}$ (end of tick `k`).
+
+    **Fields:**
+    - `k`: the tick just integrated; `t`: $t_{k+1}$.
+    - `workload`: `(n, n)` $N_j(t_{k+1} - \\tau_{ij})$, the probed workloads.
+    - `scale`: `(n, n)` observed replica fraction $k_j(t_{k+1}-\\tau_{ij})/k_j$, or `None`
+      when no scenario has a replica schedule.
+    - `drops`, `arrivals`: `(n,)` flow dropped by, and arriving at, each cell during tick
+      `k` (the cells' own counters, seen by the routers only through the probe).
+    """
+
+    k: Int[Array, ""]
+    t: Float[Array, ""]
+    workload: Float[Array, "n n"]
+    scale: Float[Array, "n n"] | None
+    drops: Float[Array, " n"]
+    arrivals: Float[Array, " n"]
 
 
 class AbstractPolicy(eqx.Module):
-    """A router update $x_i^{k} = U(x_i^{k-1}, \\hat c_i, \\eta_i h)$ applied at every tick.
+    """A root-router policy (module docstring). Concrete policies are final and hold no
+    arrays, so they are static under jit; `cost` is the cost family they route on
+    (`None` for policies that ignore costs)."""
 
-    Concrete policies are final and hold no arrays, so they are static under jit.
-    """
-
-    cost: eqx.AbstractVar[str | None]
+    cost: eqx.AbstractVar
 
     @property
     @abc.abstractmethod
     def name(self) -> str: ...
-
-    def initial_routing(self, scn, aux=None) -> Float[Array, "n n"]:
-        """$x^0$, also the routing history on $[-\\bar\\tau, 0]$: the scenario's own.
-        `aux` is what `prepare` returned (`None` for state-feedback policies)."""
-        return scn.initial_routing
 
     def prepare(self, scn, h, horizon: float):
         """Arrays the policy precomputes per scenario before the tick loop (inside jit);
         `None` for state-feedback policies. `horizon` is a static Python float."""
         return None
 
-    def scheduled(self, scn, x, t_next, aux):
-        """Routing of a policy that ignores costs (`cost is None`) for the tick starting at
-        `t_next`; the default keeps `x`."""
-        return x
+    @property
+    def uses_horizon(self) -> bool:
+        """Whether `prepare` depends on the horizon (then it is part of the compiled key)."""
+        return type(self).prepare is not AbstractPolicy.prepare
+
+    def initial_routing(self, scn, aux=None) -> Float[Array, "n n"]:
+        """$x^0$, also the routing history on $[-\\bar\\tau, 0]$: the scenario's own."""
+        return scn.initial_routing
+
+    def init_state(self, scn, setup: TickSetup, aux, x0):
+        """The policy's state at $t = 0$; default: the routing $x^0$ it holds."""
+        return x0
 
     @abc.abstractmethod
-    def update(
+    def update(self, scn, setup: TickSetup, state, obs: Observation, aux):
+        """`(x_next, state)`: the routing sent from $t_{k+1}$ on, and the new state."""
+
+
+class AbstractCostPolicy(AbstractPolicy):
+    """A policy that routes on observed route costs $\\hat c_{ij}$ of its `cost` family by a
+    rule `route(x, costs, step, allowed)`; its state is the routing it holds."""
+
+    @abc.abstractmethod
+    def route(
         self,
         x: Float[Array, "n n"],
         costs: Float[Array, "n n"],
         step: Float[Array, " n"],
         allowed: Bool[Array, "n n"],
     ) -> Float[Array, "n n"]:
-        """New routing from the current routing, the observed route costs and the
+        """The new routing from the current one, the observed route costs and the
         per-router step $\\eta_i h$."""
 
+    def update(self, scn, setup, state, obs, aux):
+        from .._costs import route_costs
 
-def policy_from_name(name: str) -> AbstractPolicy:
-    """`"flow-grad"` -> `FlowRouting("gradient")`, ..., `"rand"` -> `WeightedRandom()`."""
-    from .discrete import DiscreteRouting
-    from .flow import FlowRouting
-    from .rand import WeightedRandom
+        costs = route_costs(self.cost, scn, obs.workload, obs.scale)
+        x = self.route(state, costs, setup.step, scn.allowed)
+        return x, x
 
+
+def policy_from_name(name) -> AbstractPolicy:
+    """`"flow-grad"` -> `FlowRouting(Gradient())`, ..., `"rand"` -> `WeightedRandom()`;
+    any name in the registry (`dlbfluid._registry.POLICIES`); a policy object is returned
+    as it is."""
     if isinstance(name, AbstractPolicy):
         return name
-    if name == "rand":
-        return WeightedRandom()
-    if name == "mnlb":
-        from .mnlb import MNLB
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ValueError(
+            f"policy = {name!r} is invalid: allowed policies are {list(POLICIES.names())}"
+        )
+    pol = POLICIES.get(name)
+    if not isinstance(pol, AbstractPolicy):
+        raise ValueError(f"policy {name!r} is registered as {pol!r}, which is not a policy")
+    return pol
 
-        return MNLB()
-    mech, _, cost = str(name).partition("-")
-    if mech in ("flow", "disc") and cost in _COST_OF:
-        cls = FlowRouting if mech == "flow" else DiscreteRouting
-        return cls(_COST_OF[cost])
-    raise ValueError(f"policy = {name!r} is invalid: allowed policies are {list(POLICY_NAMES)}")
+
+def tree_select(keep, new, old):
+    """`new` where `keep` else `old`, leaf by leaf (`keep` a scalar)."""
+    import jax.numpy as jnp
+
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(keep, a, b), new, old)

@@ -1,16 +1,17 @@
+"""Discrete routing: all of a router's flow to its cheapest cell (seed §3.2.2)."""
+
 from __future__ import annotations
 
+import equinox as eqx
 import jax.numpy as jnp
 
-from .._costs import check_cost
-from .base import AbstractPolicy
-
-_SHORT = {"rif": "rif", "latency": "lat", "gradient": "grad"}
+from .._costs import AbstractCost, cost_from_name, short_name
+from .base import AbstractCostPolicy
 
 
-class DiscreteRouting(AbstractPolicy):
-    """Discrete routing: each router sends all of its flow to the cheapest allowed cell
-    (theory-notes §2.1).
+class DiscreteRouting(AbstractCostPolicy):
+    """Discrete routing: each router sends all of its flow to the cheapest allowed cell,
+    $x_i \\leftarrow e_{\\arg\\min_j \\hat c_{ij}}$ (theory/model.md, *Routing*).
 
     **Tie rule** (`tie`): `"split"` (default) splits the flow equally among exact
     minimisers; `"first"` sends it all to the lowest-index minimiser. Exact ties have
@@ -18,19 +19,18 @@ class DiscreteRouting(AbstractPolicy):
     two rules give identical trajectories there.
     """
 
-    cost: str
+    cost: AbstractCost = eqx.field(converter=cost_from_name)
     tie: str = "split"
 
     def __check_init__(self):
-        check_cost(self.cost)
         if self.tie not in ("split", "first"):
             raise ValueError(f"tie = {self.tie!r} is invalid: allowed 'split' or 'first'")
 
     @property
     def name(self) -> str:
-        return f"disc-{_SHORT[self.cost]}"
+        return f"disc-{short_name(self.cost)}"
 
-    def update(self, x, costs, step, allowed):
+    def route(self, x, costs, step, allowed):
         c = jnp.where(allowed, costs, jnp.inf)
         cmin = jnp.min(c, axis=-1, keepdims=True)
         ties = allowed & (c <= cmin)

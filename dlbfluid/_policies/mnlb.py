@@ -74,9 +74,9 @@ class MNLB(AbstractPolicy):
         )(lam, cap)
         return x.astype(dtype)
 
-    def scheduled(self, scn, x, t_next, aux):
-        p = jnp.floor(t_next / self.update_period + 1e-9).astype(jnp.int32)
-        return aux[jnp.clip(p, 0, aux.shape[0] - 1)]
-
-    def update(self, x, costs, step, allowed):
-        return x
+    def update(self, scn, setup, state, obs, aux):
+        # The weights in force on the tick [t_{k+1}, t_{k+2}): those of its midpoint's period.
+        t = obs.t + 0.5 * setup.h
+        p = jnp.floor(t / self.update_period + 1e-9).astype(jnp.int32)
+        x = aux[jnp.clip(p, 0, aux.shape[0] - 1)]
+        return x, x

@@ -1,3 +1,5 @@
+"""Weighted random routing (Rand, seed App. B)."""
+
 from __future__ import annotations
 
 import jax
@@ -13,6 +15,7 @@ class WeightedRandom(AbstractPolicy):
     It ignores the scenario's `initial_routing`: $x_{ij}(t) = k_j(t)/\\sum_{l \\in C^+(i)}
     k_l(t)$, history included, where $k_j(t)$ follows the scenario's replica schedule (so
     Rand adapts to outages, as in the paper's DLB stack); constant without a schedule.
+    The routing of the tick $[t_{k+1}, t_{k+2})$ uses the counts at its midpoint.
     """
 
     cost: None = None
@@ -26,13 +29,12 @@ class WeightedRandom(AbstractPolicy):
         tot = jnp.sum(w, axis=-1, keepdims=True)
         return jnp.where(tot > 0, w / jnp.where(tot > 0, tot, 1.0), 0.0)
 
-    def scheduled(self, scn, x, t_next, aux):
+    def update(self, scn, setup, state, obs, aux):
+        t = obs.t + 0.5 * setup.h
         k = jax.vmap(replica_scale, in_axes=(0, 0, 0, None))(
-            scn.replica_times, scn.replica_counts, scn.replicas, t_next
+            scn.replica_times, scn.replica_counts, scn.replicas, t
         )
         w = jnp.where(scn.allowed, (k * scn.replicas)[None, :], 0.0)
         tot = jnp.sum(w, axis=-1, keepdims=True)
-        return jnp.where(tot > 0, w / jnp.where(tot > 0, tot, 1.0), 0.0).astype(x.dtype)
-
-    def update(self, x, costs, step, allowed):
-        return x
+        x = jnp.where(tot > 0, w / jnp.where(tot > 0, tot, 1.0), 0.0).astype(state.dtype)
+        return x, x
