@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ._shapes import lead
+
 
 def rate_at(times: Float[Array, " P"], rates: Float[Array, " P"], t):
     """$\\lambda(t)$ for one profile; `t` may be any shape."""
@@ -25,8 +27,7 @@ def rate_integral(times: Float[Array, " P"], rates: Float[Array, " P"], a, b):
     Computed as a sum over segments of the overlap area, never as a difference of
     cumulative integrals, so it keeps its relative accuracy on long horizons in float32.
     """
-    a = jnp.asarray(a)
-    b = jnp.asarray(b)
+    a, b = jnp.broadcast_arrays(jnp.asarray(a), jnp.asarray(b))
     t0, tP = times[0], times[-1]
     r0, rP = rates[0], rates[-1]
     # Constant extrapolation on (-inf, t0] and [tP, inf).
@@ -34,8 +35,7 @@ def rate_integral(times: Float[Array, " P"], rates: Float[Array, " P"], a, b):
     right = rP * jnp.maximum(b - jnp.maximum(a, tP), 0.0)
     if times.shape[0] == 1:
         return left + right
-    ts, te = times[:-1], times[1:]
-    rs, re = rates[:-1], rates[1:]
+    ts, te, rs, re = (lead(v, a.ndim + 1) for v in (times[:-1], times[1:], rates[:-1], rates[1:]))
     lo = jnp.clip(a[..., None], ts, te)
     hi = jnp.clip(b[..., None], ts, te)
     span = te - ts

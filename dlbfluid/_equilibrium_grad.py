@@ -104,7 +104,7 @@ def _jacobians(u, theta, parts: _Parts):
 
 
 def equilibrium_sensitivities(
-    scenario: Scenario, cost: str = "gradient", *, time: float = 0.0, **solve_kwargs
+    scenario: Scenario, cost: str | AbstractCost = "gradient", *, time: float = 0.0, **solve_kwargs
 ) -> dict:
     """Derivatives of the equilibrium mean latency and workloads with respect to the
     capacities $\\bar\\mu$, arrival rates $\\lambda$ and one-way latencies $\\tau$.
@@ -133,13 +133,13 @@ def equilibrium_sensitivities(
     **Raises:** `ValueError` for a batched scenario or an unknown cost; the errors of
     `solve_equilibrium`.
     """
-    cost = cost_from_name(cost)
+    family = cost_from_name(cost)
     if len(scenario.batch_shape) != 0:
         raise ValueError(
             "equilibrium_sensitivities needs one unbatched scenario; loop over "
             "the batch (or index it) instead"
         )
-    sol = solve_equilibrium(scenario, cost, time=time, **solve_kwargs)
+    sol = solve_equilibrium(scenario, family, time=time, **solve_kwargs)
     scn = scenario.strip()
     n = scn.n_cells
     lam = np.asarray(scn.arrival_rate(time))
@@ -155,14 +155,14 @@ def equilibrium_sensitivities(
     T = _spanning_forest(np.where(support, y + 1e-300, 0.0), support)
     y = np.where(T, y, 0.0)
     # Multipliers: the cost of the support arcs (equal on each source at equilibrium).
-    F = np.asarray(cost.destination(scn, jnp.asarray(sol.N)))
-    g = np.asarray(cost.arc(scn))
+    F = np.asarray(family.destination(scn, jnp.asarray(sol.N)))
+    g = np.asarray(family.arc(scn))
     c = F[None, :] + g
     nu = np.where(has_arc, np.sum(np.where(T, c, 0.0), axis=1) / np.maximum(T.sum(1), 1), 0.0)
     u = (jnp.asarray(y), jnp.asarray(sol.z), jnp.asarray(nu), jnp.asarray(sol.N))
     tau = np.asarray(scn.latency)
     theta = (scn.service.capacity, jnp.asarray(lam), jnp.asarray(tau))
-    parts = _Parts(scn=scn, T=jnp.asarray(T), has_arc=jnp.asarray(has_arc), cost=cost)
+    parts = _Parts(scn=scn, T=jnp.asarray(T), has_arc=jnp.asarray(has_arc), cost=family)
     d_cap, d_lam, d_tau = (np.asarray(a) for a in _jacobians(u, theta, parts))
     # Rows of the flattened state: y (n*n), z (n), nu (n), N (n).
     sl_y, sl_N = slice(0, n * n), slice(n * n + 2 * n, n * n + 3 * n)

@@ -18,14 +18,13 @@ import dataclasses
 import json
 import math
 import os
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from ._aversion import ErrorAversion
 from ._policies import MNLB, FlowRouting, policy_from_name
+from ._progress import Progress
 from ._registry import BUILTIN_POLICIES
 from ._registry import POLICIES as _REGISTRY
 from ._scenario import scenario_from_dict, stack_scenarios
@@ -385,24 +384,6 @@ def plot_summary(summary: list[dict], path, title: str = "") -> None:
 # ----------------------------------------------------------------------------------------
 
 
-class _Bar:
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.t0 = total, enabled, time.perf_counter()
-
-    def __call__(self, done: int, label: str) -> None:
-        if not self.enabled:
-            return
-        frac = done / max(self.total, 1)
-        el = time.perf_counter() - self.t0
-        bar = "#" * int(30 * frac)
-        sys.stderr.write(
-            f"\rexperiment [{bar:<30}] {done}/{self.total} units  {el:7.1f}s  {label:<24}"
-        )
-        if done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False) -> dict:
     """Run (or resume) an experiment into `out_dir`; returns the summary.
 
@@ -435,9 +416,9 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
     variants = _variants(cfg.experiment)
     order = ["rand"] + [p for p in cfg.policies if p != "rand"]
     units = [(v, o, p) for v, o in variants for p in order]
-    bar = _Bar(len(units), progress)
+    bar = Progress("experiment", len(units), enabled=progress, unit="units")
     ndone = sum((v, p) in done for v, _, p in units)
-    bar(ndone, "")
+    bar.update(ndone, start=ndone)
     aversion = ErrorAversion() if cfg.error_aversion else None
     cache: dict = {}
     for v, opts, p in units:
@@ -455,7 +436,7 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
         else:
             eta_s = np.ones(cfg.scenarios)
         eta = np.repeat(eta_s, cfg.trials)
-        bar(ndone, f"{v} {p}")
+        bar.update(ndone, f"{v} {p}")
         sol = _simulate_unit(cfg, batch, pol, eta, aversion)
         lat = np.asarray(sol.mean_latency(window=1.0))
         err = np.asarray(sol.error_rate(window=1.0))
@@ -484,7 +465,7 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
             )
         _append(rpath, new)
         ndone += 1
-        bar(ndone, f"{v} {p}")
+        bar.update(ndone, f"{v} {p}")
     rows = _read_rows(rpath)
     summary = summarise(rows, order)
     with open(out / "summary.csv", "w", newline="") as f:

@@ -293,10 +293,10 @@ def _uniforms(seed: int, indices: np.ndarray, width: int, *, stream: int, trial:
     rows[:, :, 1] = stream
     rows[:, :, 2] = trial
     rows[:, :, 3] = np.arange(nb, dtype=np.uint32)[None, :]
-    rows = rows.reshape(B * nb, 4)
-    padded = max(4096, 1 << (rows.shape[0] - 1).bit_length())
-    rows = np.concatenate([rows, np.zeros((padded - rows.shape[0], 4), dtype=np.uint32)])
-    u = np.asarray(_uniform_blocks(seed, jnp.asarray(rows)))[: B * nb]
+    flat = rows.reshape(B * nb, 4)
+    padded = max(4096, 1 << (flat.shape[0] - 1).bit_length())
+    flat = np.concatenate([flat, np.zeros((padded - flat.shape[0], 4), dtype=np.uint32)])
+    u = np.asarray(_uniform_blocks(seed, jnp.asarray(flat)))[: B * nb]
     return u.reshape(B, nb * _BLOCK)[:, :width]
 
 
@@ -637,7 +637,7 @@ def arrival_profiles(
             tm = m * spike_period
             points += [(tm, 0), (tm + 0.5 * spike_width, 0), (tm + spike_width, 0)]
             m += 1
-    knots = np.zeros(0)
+    knots: np.ndarray = np.zeros(0)
     if fluctuation > 0:
         n_k = int(math.floor(horizon / knot_spacing + 1e-9)) + 1
         knots = knot_spacing * np.arange(n_k)

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float
 
 from ._costs import cost_from_name
 from ._scenario import Scenario
+from ._shapes import lead, like
 
 # 32-point Gauss-Legendre rule on [0, 1] for Phi (f is smooth; exact for RIF).
 _GL_X, _GL_W = np.polynomial.legendre.leggauss(32)
@@ -36,19 +37,21 @@ _GL_W = 0.5 * _GL_W
 def workload_potential(cost, scn: Scenario, N, N_star):
     """$\\Phi(N) = \\sum_j \\int_{N_j^*}^{N_j} (f_j(s) - f_j^*)\\,ds$ (Gauss-Legendre, 32 nodes)."""
     cost = cost_from_name(cost)
+    N, N_star = jnp.broadcast_arrays(N, N_star)
     f_star = cost.destination(scn, N_star)
-    s = N_star[..., None, :] + _GL_X[:, None] * (N - N_star)[..., None, :]
+    s = N_star[..., None, :] + lead(_GL_X[:, None], N.ndim + 1) * (N - N_star)[..., None, :]
     integrand = cost.destination(scn, s) - f_star[..., None, :]
     per_cell = (N - N_star) * jnp.tensordot(_GL_W, integrand, axes=(0, -2))
-    return jnp.sum(jnp.where(scn.cell_mask, per_cell, 0.0), axis=-1)
+    return jnp.sum(jnp.where(like(scn.cell_mask, per_cell), per_cell, 0.0), axis=-1)
 
 
 def workload_gap(cost, scn: Scenario, N, N_star):
     """$D_j(N) = (f_j(N_j) - f_j^*)(\\mu_j(N_j) - \\mu_j(N_j^*))$, per cell."""
     cost = cost_from_name(cost)
+    N, N_star = jnp.broadcast_arrays(N, N_star)
     df = cost.destination(scn, N) - cost.destination(scn, N_star)
     dmu = scn.service.rate(N) - scn.service.rate(N_star)
-    return jnp.where(scn.cell_mask, df * dmu, 0.0)
+    return jnp.where(like(scn.cell_mask, df), df * dmu, 0.0)
 
 
 class Diagnostics(eqx.Module):
@@ -81,8 +84,8 @@ def _delayed(arr, h, tau, idx, *, piecewise_constant: bool):
     Routing is piecewise constant: $x(t_k - \\tau) = x^{q}$ with $q = \\lceil k - \\tau/h\\rceil$
     written as $k - m - [r > 0]$; workloads are interpolated linearly between ticks.
     """
-    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)
-    r = jnp.maximum(tau - m * h, 0.0)
+    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)[None]
+    r = jnp.maximum(tau - m[0] * h, 0.0)[None]
     k = idx[:, None, None]
     if piecewise_constant:
         q = jnp.maximum(k - m - (r > 0), 0)
@@ -109,17 +112,18 @@ def _diagnostics_impl(cost, scn, N_star, x_star, eta, h, t, N, x):
     idx = jnp.arange(t.shape[0])
     x_del = _delayed(x, h, tau, idx, piecewise_constant=True)  # (S, n, n)
     N_del = _delayed(N, h, tau, idx, piecewise_constant=False)  # (S, n, n): N_j(t - tau_ij)
+    allowed, x_star, c_star, g = scn.allowed[None], x_star[None], c_star[None], g[None]
     dx = x - x_star
-    R = jnp.sum(lam / (2.0 * eta) * jnp.sum(dx**2, axis=-1), axis=-1)
-    Phi = workload_potential(cost, scn, N, N_star)
-    gap = jnp.sum(workload_gap(cost, scn, N, N_star), axis=-1)
-    slack = jnp.sum(lam * jnp.sum(dx * c_star, axis=-1), axis=-1)
-    dx_del = jnp.where(scn.allowed, x_del - x_star, 0.0)
-    slack_del = jnp.sum(lam * jnp.sum(dx_del * c_star, axis=-1), axis=-1)
+    R = jnp.sum((lam / (2.0 * eta))[None] * jnp.sum(dx**2, axis=-1), axis=-1)
+    Phi = workload_potential(cost, scn, N, N_star[None])
+    gap = jnp.sum(workload_gap(cost, scn, N, N_star[None]), axis=-1)
+    slack = jnp.sum(lam[None] * jnp.sum(dx * c_star, axis=-1), axis=-1)
+    dx_del = jnp.where(allowed, x_del - x_star, 0.0)
+    slack_del = jnp.sum(lam[None] * jnp.sum(dx_del * c_star, axis=-1), axis=-1)
     c_now = cost.destination(scn, N)[:, None, :] + g
     c_seen = cost.destination(scn, N_del) + g
-    gamma = jnp.where(scn.allowed, dx_del * c_now - dx * c_seen, 0.0)
-    mismatch = jnp.sum(lam[:, None] * gamma, axis=(-2, -1))
+    gamma = jnp.where(allowed, dx_del * c_now - dx * c_seen, 0.0)
+    mismatch = jnp.sum(lam[None, :, None] * gamma, axis=(-2, -1))
     safe_t = jnp.where(t > 0, t, 1.0)
     int_gap = _cumtrapz(gap, t)
     tad = jnp.where(t > 0, int_gap / safe_t, gap)
@@ -157,7 +161,7 @@ def lyapunov_diagnostics(
 
     **Returns:** `Diagnostics` (theory/lyapunov.md).
     """
-    cost = cost_from_name(cost)
+    cost_ = cost_from_name(cost)
     t = jnp.asarray(solution.t)
     h = float(solution.tick)
     if solution.t.ndim != 1:
@@ -172,7 +176,7 @@ def lyapunov_diagnostics(
     eta = jnp.broadcast_to(jnp.asarray(step_size, t.dtype), (n,))
     scn = scenario.strip()
     return _diagnostics(
-        cost,
+        cost_,
         scn,
         jnp.asarray(equilibrium.N)[..., :n],
         jnp.asarray(equilibrium.x)[..., :n, :n],

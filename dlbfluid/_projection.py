@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from ._shapes import lead
+
 
 def project_simplex(v: Float[Array, "... n"], mask: Bool[Array, "... n"]) -> Float[Array, "... n"]:
     """$\\Pi_{\\Delta}(v) = \\arg\\min_{z \\in \\Delta} \\|z - v\\|_2$ over the last axis, with
@@ -22,7 +24,7 @@ def project_simplex(v: Float[Array, "... n"], mask: Bool[Array, "... n"]) -> Flo
     # Disallowed entries sort last; they never enter the threshold because of `valid`.
     filled = jnp.where(mask, v, vmin - 1.0)
     u = -jnp.sort(-filled, axis=-1)
-    k = jnp.arange(1, n + 1, dtype=v.dtype)
+    k = lead(jnp.arange(1, n + 1, dtype=v.dtype), v.ndim)
     css = jnp.cumsum(u, axis=-1) - 1.0
     valid = k <= count
     cond = (u - css / k > 0) & valid

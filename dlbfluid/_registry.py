@@ -82,16 +82,15 @@ POLICIES = Registry("policy")
 SERVICE_MODELS.register("mm1", "dlbfluid._service.mm1:MM1")
 SERVICE_MODELS.register("softplus", "dlbfluid._service.softplus:Softplus")
 
-# Cost families with the short names their policies use.
+# Cost families with the short names of their policies (`AbstractCost.short`; the test
+# `test_policy_names_round_trip` checks that these names are the classes' own).
 _BUILTIN_COSTS = (
     ("rif", "rif", "dlbfluid._costs.rif:RIF"),
     ("latency", "lat", "dlbfluid._costs.latency:Latency"),
     ("gradient", "grad", "dlbfluid._costs.gradient:Gradient"),
 )
-COST_SHORT: dict[str, str] = {}
 for _name, _short, _path in _BUILTIN_COSTS:
     COSTS.register(_name, _path)
-    COST_SHORT[_name] = _short
 
 
 def _mechanism_factory(mechanism: str, cost: str) -> Callable[[], Any]:
@@ -119,16 +118,13 @@ BUILTIN_POLICIES = POLICIES.names()
 """The eight policies of the paper's evaluation, in the order of the README."""
 
 
-def register_cost(cost, *, short: str | None = None, policies: bool = True) -> None:
+def register_cost(cost, *, policies: bool = True) -> None:
     """Register a cost family (an `AbstractCost` instance) under `cost.name`, and, unless
-    `policies=False`, its discrete and flow policies `disc-SHORT` and `flow-SHORT` (`short`
-    defaults to `cost.short`)."""
-    name = cost.name
-    short = short or getattr(cost, "short", name)
-    COSTS.register(name, cost)
-    COST_SHORT[name] = short
+    `policies=False`, its discrete and flow policies `disc-SHORT` and `flow-SHORT`
+    (`SHORT` = `cost.short`)."""
+    COSTS.register(cost.name, cost)
     if policies:
-        _register_mechanisms(name, short)
+        _register_mechanisms(cost.name, cost.short)
 
 
 def register_policy(name: str, factory) -> None:

@@ -32,6 +32,14 @@ class Results(Mapping):
     append.
     """
 
+    # The members, declared for type checkers (set from the member list in __init__).
+    success: int
+    nonfinite: int
+    solver_failed: int
+    not_converged: int
+    negative_workload: int
+    mass_balance: int
+
     def __init__(self, members: list[tuple[str, str]]):
         self._by_name = {name: _Result(name, k, msg) for k, (name, msg) in enumerate(members)}
         self._by_code = {r.code: r for r in self._by_name.values()}

@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float
 from ._errors import OverloadError, ScenarioError
 from ._registry import SERVICE_MODELS
 from ._service import ServiceModel, law, service_from_cells
+from ._shapes import lead
 
 
 class Scenario(eqx.Module):
@@ -64,10 +65,11 @@ class Scenario(eqx.Module):
     initial_routing: Float[Array, "n n"]
     name: str = eqx.field(static=True, default="scenario")
     cell_names: tuple[str, ...] = eqx.field(static=True, default=())
-    buffer: Float[Array, " n"] | None = None
-    replica_times: Float[Array, "n Q"] | None = None
-    replica_counts: Float[Array, "n Q"] | None = None
-    estimate: ServiceModel | None = None
+    # (optional arguments, always filled in by __post_init__)
+    buffer: Float[Array, " n"] = None  # type: ignore[assignment]
+    replica_times: Float[Array, "n Q"] = None  # type: ignore[assignment]
+    replica_counts: Float[Array, "n Q"] = None  # type: ignore[assignment]
+    estimate: ServiceModel = None  # type: ignore[assignment]
 
     def __post_init__(self):
         k = jnp.asarray(self.replicas)
@@ -104,7 +106,8 @@ def replica_scale(times, counts, replicas, t):
     The count `counts[q]` holds on `[times[q], times[q+1])`; before `times[0]` the first
     count applies.
     """
-    idx = jnp.clip(jnp.sum(times <= jnp.asarray(t)[..., None], axis=-1) - 1, 0, None)
+    t = jnp.asarray(t)
+    idx = jnp.clip(jnp.sum(lead(times, t.ndim + 1) <= t[..., None], axis=-1) - 1, 0, None)
     return counts[idx] / replicas
 
 
@@ -383,12 +386,17 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     return scn
 
 
+def proportional_routing(allowed, weights, xp=np):
+    """$x_{ij} = w_j/\\sum_{l \\in C^+(i)} w_l$ on allowed arcs, 0 on rows without an arc;
+    `xp` is `numpy` (parsing) or `jax.numpy` (inside the compiled loop)."""
+    w = xp.where(allowed, weights[..., None, :], 0.0)
+    tot = xp.sum(w, axis=-1, keepdims=True)
+    return xp.where(tot > 0, w / xp.where(tot > 0, tot, 1.0), 0.0)
+
+
 def weighted_random_routing(allowed, replicas) -> np.ndarray:
     """$x_{ij} = k_j/\\sum_{l \\in C^+(i)} k_l$ on allowed arcs (the `rand` policy)."""
-    allowed = np.asarray(allowed, dtype=bool)
-    w = np.where(allowed, np.asarray(replicas, dtype=float)[None, :], 0.0)
-    tot = w.sum(axis=1, keepdims=True)
-    return np.where(tot > 0, w / np.where(tot > 0, tot, 1.0), 0.0)
+    return proportional_routing(np.asarray(allowed, dtype=bool), np.asarray(replicas, dtype=float))
 
 
 def load_scenario(path: str | Path, *, allow_overload: bool = False) -> Scenario:
@@ -472,20 +480,20 @@ def _max_flow(cap: np.ndarray, s: int, t: int) -> tuple[float, np.ndarray]:
         queue = [s]
         while queue and parent[t] < 0:
             u = queue.pop(0)
-            for v in np.nonzero((residual[u] > 1e-12 * scale) & (parent < 0))[0]:
+            for v in (int(w) for w in np.nonzero((residual[u] > 1e-12 * scale) & (parent < 0))[0]):
                 parent[v] = u
-                queue.append(int(v))
+                queue.append(v)
         if parent[t] < 0:
             break
-        v, bottleneck = t, np.inf
+        v, bottleneck = t, float(np.inf)
         while v != s:
-            bottleneck = min(bottleneck, residual[parent[v], v])
-            v = parent[v]
+            bottleneck = min(bottleneck, float(residual[parent[v], v]))
+            v = int(parent[v])
         v = t
         while v != s:
             residual[parent[v], v] -= bottleneck
             residual[v, parent[v]] += bottleneck
-            v = parent[v]
+            v = int(parent[v])
         total += bottleneck
     return total, parent >= 0
 
@@ -630,17 +638,24 @@ def pad_scenario(
     )
 
 
-def stack_scenarios(scenarios: Sequence[Scenario], n_cells: int | None = None) -> Scenario:
-    """Pad scenarios to a common cell count and stack them along a new leading axis."""
+def stack_scenarios(
+    scenarios: Sequence[Scenario], n_cells: int | None = None, *, laws: Sequence[str] = ()
+) -> Scenario:
+    """Pad scenarios to a common cell count and stack them along a new leading axis.
+
+    The service models present in a batch are static: only their formulas are compiled
+    and evaluated, so two batches of the same shape but different sets of models compile
+    separately. `laws` adds models to the set (e.g. `("mm1", "softplus")` for batches that
+    should share one compiled program whichever of the two they contain)."""
     scenarios = list(scenarios)
     if not scenarios:
         raise ValueError("stack_scenarios needs at least one scenario")
     n = max(s.n_cells for s in scenarios) if n_cells is None else n_cells
     P = max(s.arrival_times.shape[-1] for s in scenarios)
     Q = max(s.replica_times.shape[-1] for s in scenarios)
-    laws = tuple(dict.fromkeys(n for s in scenarios for n in s.service.laws))
-    est = tuple(dict.fromkeys(n for s in scenarios for n in s.estimate.laws))
-    padded = [pad_scenario(s, n, P, Q, laws=laws, est_laws=est).strip() for s in scenarios]
+    svc = tuple(dict.fromkeys([*laws, *(m for s in scenarios for m in s.service.laws)]))
+    est = tuple(dict.fromkeys([*laws, *(m for s in scenarios for m in s.estimate.laws)]))
+    padded = [pad_scenario(s, n, P, Q, laws=svc, est_laws=est).strip() for s in scenarios]
     leaves = [eqx.filter(p, eqx.is_array) for p in padded]
     import jax
 

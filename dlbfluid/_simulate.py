@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import sys
-import time
 
 import equinox as eqx
 import jax
@@ -37,6 +35,7 @@ from ._integrators import AbstractIntegrator, Accurate, Fast
 from ._integrators.base import arc_integrals
 from ._policies import AbstractPolicy, ErrorAverse, Observation, TickSetup, policy_from_name
 from ._policies.base import tree_select
+from ._progress import Progress
 from ._results import RESULTS
 from ._scenario import Scenario, replica_scale
 from ._solution import Solution
@@ -293,28 +292,6 @@ def _simulate_batch_impl(
     return recs, state.status, state.change
 
 
-class _Progress:
-    """A small stderr progress line driven from inside the compiled loop."""
-
-    def __init__(self, total_segments: int, enabled: bool):
-        self.enabled = enabled
-        self.total = total_segments
-        self.count = 0
-        self.start = time.perf_counter()
-
-    def __call__(self, k):
-        if not self.enabled:
-            return
-        self.count += 1
-        frac = min(self.count / self.total, 1.0)
-        el = time.perf_counter() - self.start
-        bar = "#" * int(30 * frac)
-        sys.stderr.write(f"\rsimulating [{bar:<30}] {100 * frac:5.1f}%  {el:6.1f}s")
-        if self.count >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def _hist_len(tau_max_over_h: float) -> int:
     need = int(math.floor(tau_max_over_h + 1e-9)) + 2
     return 1 << max(need - 1, 1).bit_length()
@@ -378,7 +355,7 @@ def simulate(
     dtype = jnp.dtype(jnp.float64 if dtype is None else dtype)
     if dtype not in (jnp.dtype(jnp.float64), jnp.dtype(jnp.float32)):
         raise ValueError(f"dtype = {dtype} is invalid: allowed float64 or float32")
-    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+    if dtype == jnp.float64 and not jax.config.read("jax_enable_x64"):
         raise ValueError("dtype = float64 needs jax_enable_x64 (dlbfluid enables it on import)")
 
     batched = len(scenario.batch_shape) > 0
@@ -462,7 +439,7 @@ def simulate(
     integrator = integrator.prepared(dtype)
     looped = pol if error_aversion is None else ErrorAverse(pol, error_aversion)
     # (the progress callback runs once per segment on every device)
-    prog = _Progress(n_save * jax.device_count(), progress) if progress else None
+    prog = Progress("simulating", n_save * jax.device_count()) if progress else None
     scn_a, eta_a, h_a, _, st_a = args
     rec, status, change = _simulate_batch(
         scn_a,

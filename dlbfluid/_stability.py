@@ -339,16 +339,16 @@ def linearise(
             sources.append(i)
             supports.append(tuple(int(j) for j in S))
             bases.append(tangent_basis(S.size))
-    arcs = [(i, j) for i, S in zip(sources, supports) for j in S]
+    arcs = [(i, j) for i, Si in zip(sources, supports) for j in Si]
     delays = np.unique(np.array([0.0] + [tau[i, j] for i, j in arcs]))
-    d = n + sum(len(S) - 1 for S in supports)
+    d = n + sum(len(Si) - 1 for Si in supports)
     plant = np.zeros((delays.size, d, d))
     route = np.zeros((delays.size, d, d))
     plant[0, np.arange(n), np.arange(n)] = -mp
     off = n
-    for i, S, B in zip(sources, supports, bases):
+    for i, Si, B in zip(sources, supports, bases):
         cols = slice(off, off + B.shape[1])
-        for r, j in enumerate(S):
+        for r, j in enumerate(Si):
             k = int(np.searchsorted(delays, tau[i, j]))
             # inflow: delta N_j' += lam_i delta x_ij(t - tau_ij), delta x_i = B_i w_i
             plant[k, j, cols] += lam[i] * B[r]

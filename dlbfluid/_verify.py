@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,12 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._progress import Progress
 from ._registry import flow_policy_names
 from ._scenario import check_capacity, scenario_from_dict, stack_scenarios
-
-FLOW_POLICIES = (("flow-rif", "rif"), ("flow-lat", "latency"), ("flow-grad", "gradient"))
-"""The built-in flow policies and their cost families (`verify` runs every registered flow
-policy, `flow_policies()`)."""
 
 
 def flow_policies(names=None) -> tuple[tuple[str, str], ...]:
@@ -97,7 +93,7 @@ def random_network(
         lam = rho * caps.sum() * rng.dirichlet(np.ones(n))
         for j in range(n):
             cells[j]["arrival_rate"] = float(lam[j])
-        d = {"name": f"random-{n}", "cells": cells, "latency": latency}
+        d: dict = {"name": f"random-{n}", "cells": cells, "latency": latency}
         try:
             check_capacity(scenario_from_dict(d, allow_overload=True))
             d["utilisation"] = float(rho)
@@ -175,8 +171,15 @@ def verify(
     conv_tol: float = 1e-3,
     nodes: int = 8,
     progress: bool | Callable = False,
+    policies=None,
+    draw: Callable[[int, int], dict] | None = None,
 ) -> dict:
     """Verify Theorem 1 on `n_scenarios` random scenarios; returns the summary dict.
+
+    `policies`: the flow policies to run (default: every registered one). `draw`: a
+    scenario source `draw(seed, index) -> dict` in the scenario-file format (default
+    `draw_scenario` with `n_cells`), e.g. networks of a user's own service model; scenario
+    `index` must depend on `(seed, index)` only, so that a resumed run redraws what it lost.
 
     Each flow policy runs with $\\eta = $ `step_fraction` $\\times\\,\\eta^*$, its critical
     step size from the pseudospectral stability analysis (`critical_step_size`), so
@@ -206,26 +209,38 @@ def verify(
         path = out / "results.jsonl"
         done = _read_done(path)
     todo = [i for i in range(n_scenarios) if i not in done]
-    n_pad = n_cells[1]
+    pols = flow_policies(policies)
+    source = (lambda sd, i: draw_scenario(sd, i, n_cells=n_cells)) if draw is None else draw
     t_start = time.perf_counter()
-    report = progress if callable(progress) else (_bar if progress else None)
+    if callable(progress):
+        report = progress
+    elif progress:
+        bar = Progress("verifying", n_scenarios, unit="scenarios")
+        report = lambda d, total, t0: bar.update(d, start=len(done))  # noqa: E731
+    else:
+        report = None
     if report:
         report(len(done), n_scenarios, t_start)
     for c0 in range(0, len(todo), chunk):
         idx = todo[c0 : c0 + chunk]
-        dicts = [draw_scenario(seed, i, n_cells=n_cells) for i in idx]
+        dicts = [source(seed, i) for i in idx]
         scns = [
             scenario_from_dict({k: v for k, v in d.items() if k not in ("index", "utilisation")})
             for d in dicts
         ]
         # Pad the chunk to a fixed batch and cell count: one compilation serves all chunks.
         fill = scns + [scns[-1]] * (chunk - len(scns))
-        batch = stack_scenarios(fill, n_cells=n_pad)
+        batch = stack_scenarios(fill, n_cells=max([n_cells[1]] + [s.n_cells for s in scns]))
         recs = [
-            {"index": i, "n_cells": s.n_cells, "utilisation": d["utilisation"], "policies": {}}
+            {
+                "index": i,
+                "n_cells": s.n_cells,
+                "utilisation": d.get("utilisation", _utilisation(s)),
+                "policies": {},
+            }
             for i, s, d in zip(idx, scns, dicts)
         ]
-        for pol, cost in flow_policies():
+        for pol, cost in pols:
             eq = solve_equilibrium(batch, cost, throw=False, check=False)
             eta_star = _thresholds(scns, pol, nodes, eq)
             eta_fill = [
@@ -247,7 +262,7 @@ def verify(
                 batch.strip(),
                 eq.N,
                 eq.x,
-                jnp.broadcast_to(jnp.asarray(eta)[:, None], (chunk, n_pad)),
+                jnp.broadcast_to(jnp.asarray(eta)[:, None], (chunk, batch.n_cells)),
                 jnp.full(chunk, tick),
                 sol.t,
                 sol.N,
@@ -307,6 +322,12 @@ def verify(
     return summary
 
 
+def _utilisation(scn) -> float:
+    """$\\sum_i\\lambda_i(0)/\\sum_j\\bar\\mu_j$ of one scenario."""
+    lam = np.asarray(scn.arrival_rate(0.0))
+    return float(lam.sum() / np.asarray(scn.service.capacity).sum())
+
+
 def _thresholds(scns, policy: str, nodes: int, eq) -> list:
     """Critical step sizes around the batch's own equilibria (no second solve)."""
     from types import SimpleNamespace
@@ -314,7 +335,7 @@ def _thresholds(scns, policy: str, nodes: int, eq) -> list:
     from ._stability import critical_step_size
 
     N, x, ok = np.asarray(eq.N), np.asarray(eq.x), eq.status_names() == "success"
-    out = []
+    out: list[float | None] = []
     for b, s in enumerate(scns):
         n = s.n_cells
         if not ok[b]:
@@ -328,12 +349,3 @@ def _thresholds(scns, policy: str, nodes: int, eq) -> list:
             continue
         out.append(None if r.critical_step_size is None else float(r.critical_step_size))
     return out
-
-
-def _bar(done: int, total: int, t0: float) -> None:
-    frac = done / max(total, 1)
-    el = time.perf_counter() - t0
-    sys.stderr.write(f"\rverifying [{'#' * int(30 * frac):<30}] {done}/{total}  {el:6.1f}s")
-    if done >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()

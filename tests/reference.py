@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 from scipy.integrate import solve_ivp
+from scipy.optimize import linprog
 from scipy.special import expit
 
 __all__ = [
@@ -33,7 +34,9 @@ __all__ = [
     "reference_simulate",
 ]
 
-POLICIES = ("flow-rif", "flow-lat", "flow-grad", "disc-rif", "disc-lat", "disc-grad", "rand")
+POLICIES = (
+    "flow-rif", "flow-lat", "flow-grad", "disc-rif", "disc-lat", "disc-grad", "rand", "mnlb",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -229,6 +232,13 @@ class _Rate:
         c0, slope, t0 = self.segment(float(s))
         return c0 + slope * (float(s) - t0)
 
+    def integral(self, a, b):
+        """int_a^b rate (exact for the piecewise-linear profile)."""
+        if self.constant:
+            return self.value * (b - a)
+        pts = sorted({a, b, *[t for t in self.T if a < t < b]})
+        return sum(0.5 * (q - p) * (self(p) + self(q)) for p, q in zip(pts[:-1], pts[1:]))
+
 
 def parse_scenario(scenario: dict) -> dict:
     cells = scenario["cells"]
@@ -273,6 +283,34 @@ def parse_scenario(scenario: dict) -> dict:
         N0=N0,
         x0=x0,
     )
+
+
+def mnlb_routing(lam, tau, allowed, capacity, cap=0.9):
+    """MNLB's routing weights (seed §1.1): the transportation LP min sum tau_ij y_ij s.t.
+    sum_j y_ij = lam_i, sum_i y_ij <= cap * capacity_j, y >= 0 on allowed arcs, by HiGHS.
+    Rows without demand route to their nearest allowed cell. Only the feasible case (the
+    demand fits under the cap); the elastic overload rule is not reproduced here."""
+    n = len(lam)
+    arcs = [(i, j) for i in range(n) for j in range(n) if allowed[i, j] and lam[i] > 0]
+    c = np.array([tau[i, j] for i, j in arcs])
+    A_eq = np.zeros((n, len(arcs)))
+    A_ub = np.zeros((n, len(arcs)))
+    for k, (i, j) in enumerate(arcs):
+        A_eq[i, k] = 1.0
+        A_ub[j, k] = 1.0
+    keep = lam > 0
+    res = linprog(c, A_ub=A_ub, b_ub=cap * np.asarray(capacity), A_eq=A_eq[keep],
+                  b_eq=np.asarray(lam)[keep], method="highs")  # fmt: skip
+    if res.status != 0:
+        raise ValueError(f"MNLB LP not solved ({res.message}); the reference needs feasible demand")
+    x = np.zeros((n, n))
+    for k, (i, j) in enumerate(arcs):
+        x[i, j] = res.x[k] / lam[i]
+    for i in range(n):
+        if lam[i] <= 0 and allowed[i].any():
+            j = int(np.argmin(np.where(allowed[i], tau[i], np.inf)))
+            x[i, j] = 1.0
+    return x
 
 
 def delay_decomposition(tau, h):
@@ -366,10 +404,27 @@ def reference_simulate(
             Nobs[sel] = np.broadcast_to(Nv[None, :], (n, n))[sel]
         return Nobs
 
+    period = 10.0  # MNLB's update period (the MNLB policy's default)
+
+    def mnlb_at(t):
+        """The weights MNLB uses on the tick whose midpoint is t: those of the last update
+        p*period <= t, computed from the rates measured over the period before it."""
+        p = math.floor(t / period + 1e-9)
+        tp = p * period
+        lam = np.array([rt.integral(tp - period, tp) / period for rt in rates])
+        cap = np.array([float(svc_caps[j]) for j in range(n)])
+        return mnlb_routing(lam, tau, allowed, cap)
+
+    svc_caps = [float(sv["capacity"]) for sv in sc["services"]]
+    if kind == "mnlb":
+        X[0] = mnlb_at(0.0)
+
     def update(k):
         tk = k * h
         if kind == "rand":
             return X[0].copy()
+        if kind == "mnlb":
+            return mnlb_at(tk + 0.5 * h)
         chat = cell_cost(observe(tk)) + g
         if kind == "flow":
             v = X[k - 1] - (eta * h)[:, None] * chat

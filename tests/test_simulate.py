@@ -24,16 +24,8 @@ def three():
     return dl.scenario_from_dict(THREE)
 
 
-@pytest.mark.parametrize("policy", ["flow-grad", "flow-rif", "disc-lat", "rand"])
-def test_accurate_path_matches_scipy_reference(three, policy):
-    """Max error <= 1e-6 (observed ~1e-11) on 3 cells with unequal, non-tick-aligned delays."""
-    ref = reference_simulate(THREE, policy, step_size=0.3, tick=H, horizon=T)
-    sol = dl.simulate(three, policy, step_size=0.3, tick=H, horizon=T, n_save=200,
-                      integrator=ACC)
-    assert np.max(np.abs(np.asarray(sol.N) - ref["N"])) <= 1e-6
-    assert np.max(np.abs(np.asarray(sol.x) - ref["x"])) <= 1e-6
-    np.testing.assert_allclose(sol.departures, ref["departures"], atol=1e-6)
-    np.testing.assert_allclose(sol.arrivals, ref["arrivals"], atol=1e-6)
+# The accurate path against the scipy reference, for every registered policy: in
+# test_contracts.py.
 
 
 def test_fast_path_matches_reference_and_is_second_order(three):

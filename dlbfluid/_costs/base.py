@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._registry import COST_SHORT, COSTS
+from .._registry import COSTS
 
 # Gauss-Legendre rule of the generic potential: 64 nodes on [0, N].
 _GL_X, _GL_W = np.polynomial.legendre.leggauss(64)
@@ -60,8 +60,8 @@ class AbstractCost(eqx.Module):
         """$p_j = \\int_0^{N_j} f_j(n)\\mu_j'(n)\\,dn$ at flows `z` and workloads `N`
         $= \\mu^{-1}(z)$ (`inf` where $N_j$ is)."""
         Nf = jnp.where(jnp.isfinite(N), N, 0.0)
-        nodes = 0.5 * Nf[..., None] * (jnp.asarray(_GL_X) + 1.0)  # (..., n, 64)
-        cells = jnp.moveaxis(nodes, -1, 0)  # (64, ..., n): the cell axis last again
+        x = jnp.reshape(jnp.asarray(_GL_X), (-1,) + (1,) * Nf.ndim)
+        cells = 0.5 * Nf[None] * (x + 1.0)  # (64, ..., n): the cell axis last
         vals = self.destination(scn, cells) * scn.service.rate_prime(cells)
         out = 0.5 * Nf * jnp.tensordot(jnp.asarray(_GL_W), vals, axes=(0, 0))
         return jnp.where(jnp.isfinite(N), out, jnp.inf)
@@ -109,5 +109,4 @@ def route_costs(cost, scn, N_observed, scale=None):
 
 def short_name(cost) -> str:
     """The policy suffix of a cost (`"gradient"` -> `"grad"`)."""
-    c = cost_from_name(cost)
-    return COST_SHORT.get(c.name, c.short)
+    return cost_from_name(cost).short

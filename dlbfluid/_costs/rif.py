@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from .._shapes import like
 from .base import AbstractCost
 
 
@@ -18,10 +19,10 @@ class RIF(AbstractCost):
     short: ClassVar[str] = "rif"
 
     def destination(self, scn, N):
-        return N / scn.replicas
+        return N / like(scn.replicas, N)
 
     def arc(self, scn):
         return jnp.zeros_like(scn.latency)
 
     def potential(self, scn, z, N):
-        return scn.service.rif_potential(z, N) / scn.replicas
+        return scn.service.rif_potential(z, N) / like(scn.replicas, N)

@@ -163,7 +163,7 @@ def _check_overload(scn: Scenario, time: float) -> None:
     z = np.einsum("bi,bij->bj", lam, x)
     stranded = (lam > 0) & (tot[..., 0] <= 0)
     quick = np.all(np.where(mask, z < cap * (1.0 - 1e-9), True), axis=1) & ~stranded.any(axis=1)
-    for b in np.nonzero(~quick)[0]:
+    for b in (int(v) for v in np.nonzero(~quick)[0]):
         one = scn if not batched else jax.tree_util.tree_map(lambda a: a[b], scn)
         try:
             check_capacity(_constant_copy(one, lam[b]))

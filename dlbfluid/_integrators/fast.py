@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .._results import RESULTS
+from .._shapes import like
 from .base import (
     AbstractIntegrator,
     TickResult,
@@ -24,7 +25,7 @@ def rk4_cell_step(rate, N, A, dt, cap=None):
     serves at exactly $\\mu(B)$ (the caller drops the excess of the new state)."""
     safe = jnp.where(dt > 0, dt, 1.0)
     abar = jnp.where(dt > 0, A / safe, 0.0)
-    clip = (lambda v: v) if cap is None else (lambda v: jnp.minimum(v, cap))
+    clip = (lambda v: v) if cap is None else (lambda v: jnp.minimum(v, like(cap, v)))
     m1 = rate(N)
     N2 = clip(N + 0.5 * dt * (abar - m1))
     m2 = rate(N2)
@@ -79,7 +80,9 @@ class Fast(AbstractIntegrator):
         sp = idx.astype(h.dtype) * dt
         j = jnp.arange(N.shape[0])[None, :]
         A_obs = cell_inflow_between(scn, tk, sp, offsets, tau, r, xprev, xcur)
-        obs = jnp.minimum(rk4_cell_step(rate, grid[idx, j], A_obs, offsets - sp, buffer)[0], buffer)
+        obs = jnp.minimum(
+            rk4_cell_step(rate, grid[idx, j], A_obs, offsets - sp, buffer)[0], buffer[None, :]
+        )
         return TickResult(
             N=N_end,
             observed=obs,

@@ -36,6 +36,6 @@ class DiscreteRouting(AbstractCostPolicy):
         ties = allowed & (c <= cmin)
         if self.tie == "first":
             first = jnp.argmax(ties, axis=-1)
-            ties = (jnp.arange(c.shape[-1]) == first[:, None]) & allowed
+            ties = (jnp.arange(c.shape[-1])[None, :] == first[:, None]) & allowed
         count = jnp.sum(ties, axis=-1, keepdims=True)
         return jnp.where(ties, 1.0 / jnp.maximum(count, 1), 0.0).astype(x.dtype)

@@ -61,7 +61,7 @@ class MNLB(AbstractPolicy):
         scale = jax.vmap(replica_scale, in_axes=(0, 0, 0, None), out_axes=-1)(
             scn.replica_times, scn.replica_counts, scn.replicas, tp + 1e-9 * T
         )  # (P, n)
-        cap = scale * scn.service.capacity
+        cap = scale * scn.service.capacity[None, :]
         x, _ = jax.vmap(
             lambda lm, cp: mnlb_weights(
                 lm,

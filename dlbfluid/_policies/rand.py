@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .._scenario import replica_scale
+from .._scenario import proportional_routing, replica_scale
 from .base import AbstractPolicy
 
 
@@ -25,16 +25,12 @@ class WeightedRandom(AbstractPolicy):
         return "rand"
 
     def initial_routing(self, scn, aux=None):
-        w = jnp.where(scn.allowed, scn.replicas[None, :], 0.0)
-        tot = jnp.sum(w, axis=-1, keepdims=True)
-        return jnp.where(tot > 0, w / jnp.where(tot > 0, tot, 1.0), 0.0)
+        return proportional_routing(scn.allowed, scn.replicas, jnp)
 
     def update(self, scn, setup, state, obs, aux):
         t = obs.t + 0.5 * setup.h
         k = jax.vmap(replica_scale, in_axes=(0, 0, 0, None))(
             scn.replica_times, scn.replica_counts, scn.replicas, t
         )
-        w = jnp.where(scn.allowed, (k * scn.replicas)[None, :], 0.0)
-        tot = jnp.sum(w, axis=-1, keepdims=True)
-        x = jnp.where(tot > 0, w / jnp.where(tot > 0, tot, 1.0), 0.0).astype(state.dtype)
+        x = proportional_routing(scn.allowed, k * scn.replicas, jnp).astype(state.dtype)
         return x, x

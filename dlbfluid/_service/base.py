@@ -44,6 +44,7 @@ from jaxtyping import Array, Float, Int
 
 from .._errors import ScenarioError
 from .._registry import SERVICE_MODELS
+from .._shapes import lead, like
 
 Params = Mapping[str, Array]
 
@@ -170,8 +171,9 @@ def _expand(p: Params, n):
 
 def _gl64(fun, N):
     Nf = jnp.where(jnp.isfinite(N), N, 0.0)
-    nodes = 0.5 * Nf[..., None] * (jnp.asarray(_GL64_X) + 1.0)
-    return 0.5 * Nf * jnp.sum(fun(nodes) * jnp.asarray(_GL64_W), axis=-1)
+    x, w = (lead(jnp.asarray(v), Nf.ndim + 1) for v in (_GL64_X, _GL64_W))
+    nodes = 0.5 * Nf[..., None] * (x + 1.0)
+    return 0.5 * Nf * jnp.sum(fun(nodes) * w, axis=-1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -308,11 +310,21 @@ class ServiceModel(eqx.Module):
 
     # --- evaluation: every law present, then a selection by code -------------------
 
-    def _each(self, method: str, *args, **kwargs):
-        outs = [(code(n), getattr(law(n), method)(self.params, *args, **kwargs)) for n in self.laws]
+    def _ranked(self, ref) -> dict:
+        """The parameters with singleton axes prepended to the rank of `ref` (e.g. a leading
+        router axis of observed workloads)."""
+        return {k: like(v, ref) for k, v in self.params.items()}
+
+    def _each(self, method: str, x, *args, **kwargs):
+        # (`x`, the first data argument, sets the rank the parameters are expanded to)
+        p = self._ranked(x)
+        model = like(self.model, x)
+        outs = [(code(n), getattr(law(n), method)(p, x, *args, **kwargs)) for n in self.laws]
         out = outs[0][1]
         for c, o in outs[1:]:
-            out = jax.tree_util.tree_map(lambda a, b, c=c: jnp.where(self.model == c, a, b), o, out)
+            out = jax.tree_util.tree_map(
+                lambda a, b, c=c: jnp.where(like(model, a) == c, a, b), o, out
+            )
         return out
 
     def latency(self, N: Float[Array, "... n"]) -> Float[Array, "... n"]:
@@ -337,12 +349,13 @@ class ServiceModel(eqx.Module):
 
         In a mixed table each law iterates only on its own cells (the others see $z = 0$),
         so that one law's iterations never run on, or wait for, another law's cells."""
+        p = self._ranked(z)
         if len(self.laws) == 1:
-            return law(self.laws[0]).inverse_rate(self.params, z, guess)
+            return law(self.laws[0]).inverse_rate(p, z, guess)
         outs = []
         for n in self.laws:
-            mine = self.model == code(n)
-            outs.append((mine, law(n).inverse_rate(self.params, jnp.where(mine, z, 0.0), guess)))
+            mine = like(self.model, z) == code(n)
+            outs.append((mine, law(n).inverse_rate(p, jnp.where(mine, z, 0.0), guess)))
         out = outs[0][1]
         for mine, o in outs[1:]:
             out = jnp.where(mine, o, out)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import ScenarioError
+from .._shapes import lead
 from .base import AbstractServiceModel, Params, number, positive
 
 
@@ -74,14 +75,14 @@ _GL_EDGES = np.array([-40.0, -20.0, -10.0, -5.0, 0.0, 5.0, 10.0, 20.0, 40.0])
 def _gl_integral(fun, knee, width, a, b):
     """$\\int_a^b$ `fun` by composite Gauss-Legendre on panels graded towards `knee`
     (elementwise over cells; $[a, b] \\subseteq$ knee $\\pm 40$ width)."""
-    edges = jnp.clip(
-        knee[..., None] + width[..., None] * jnp.asarray(_GL_EDGES), a[..., None], b[..., None]
-    )
+    knee, width, a, b = jnp.broadcast_arrays(knee, width, a, b)
+    grade = lead(jnp.asarray(_GL_EDGES), knee.ndim + 1)
+    edges = jnp.clip(knee[..., None] + width[..., None] * grade, a[..., None], b[..., None])
     lo, hi = edges[..., :-1], edges[..., 1:]
     mid, half = 0.5 * (lo + hi), 0.5 * (hi - lo)
-    nodes = mid[..., None] + half[..., None] * jnp.asarray(_GL_X)
+    nodes = mid[..., None] + half[..., None] * lead(jnp.asarray(_GL_X), mid.ndim + 1)
     vals = fun(nodes)
-    return jnp.sum(jnp.sum(vals * jnp.asarray(_GL_W), axis=-1) * half, axis=-1)
+    return jnp.sum(jnp.sum(vals * lead(jnp.asarray(_GL_W), nodes.ndim), axis=-1) * half, axis=-1)
 
 
 class Softplus(AbstractServiceModel):
