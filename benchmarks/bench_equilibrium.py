@@ -10,7 +10,7 @@ For each cost (rif, latency, gradient) the JAX solver runs once to compile (repo
 `--repeats`). cvxpy cannot express the softplus potentials, so the cvxpy side solves the
 first `--cvxpy-problems` all-M/M/1 networks of the same batch, one by one (problem
 construction included, as a user would run it), with the closed-form M/M/1 potentials of
-theory-notes §4; its throughput is extrapolated per problem. The JSON states this.
+theory/equilibria.md §1.2; its throughput is extrapolated per problem. The JSON states this.
 
 Run: `python benchmarks/bench_equilibrium.py [--batch 1000] [--n-cells 10] [--out FILE]`.
 Prints one JSON object on stdout and a small table on stderr.

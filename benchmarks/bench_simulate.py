@@ -39,6 +39,7 @@ One JSON object goes to stdout (and to `--out`), a table to stderr. Run, e.g.:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -169,7 +170,18 @@ def fast_stack(scenarios):
     `stack_scenarios` pads every scenario first (about 10 ms each), which makes a batch of
     10000 take minutes; with equal shapes padding is a no-op and the result is identical
     (checked against `stack_scenarios` on the first few scenarios below)."""
-    parts = [eqx.partition(s.strip(), eqx.is_array) for s in scenarios]
+    scenarios = [s.strip() for s in scenarios]
+    if hasattr(scenarios[0].service, "with_laws"):
+        # The service models present are static: give every table the batch's set.
+        laws = tuple(dict.fromkeys(m for s in scenarios for m in s.service.laws))
+        est = tuple(dict.fromkeys(m for s in scenarios for m in s.estimate.laws))
+        scenarios = [
+            dataclasses.replace(
+                s, service=s.service.with_laws(laws), estimate=s.estimate.with_laws(est)
+            )
+            for s in scenarios
+        ]
+    parts = [eqx.partition(s, eqx.is_array) for s in scenarios]
     dyn = [d for d, _ in parts]
     treedef = jax.tree_util.tree_structure(dyn[0])
     leaves = [jax.tree_util.tree_leaves(d) for d in dyn]

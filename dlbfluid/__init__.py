@@ -96,4 +96,4 @@ from ._stability import symmetric_critical_step_size as symmetric_critical_step_
 from ._verify import random_network as random_network
 from ._verify import verify as verify
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,6 +1,6 @@
 """Lyapunov diagnostics of flow routing and the shape of Theorem 1 (seed §4.1, App. C.3).
 
-All quantities are reconstructed in theory-notes §5 and restated in theory/lyapunov.md.
+All quantities are reconstructed from the seed's words in theory/lyapunov.md.
 Fix an equilibrium $(N^*, x^*)$ of the cost family and write $f_j^* = f_j(N_j^*)$,
 $c_{ij}^* = f_j^* + g_{ij}$. Along a trajectory:
 

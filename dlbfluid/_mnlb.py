@@ -12,7 +12,7 @@ $c\\bar\\mu_j$, and the solution is lexicographic: first the smallest common rel
 overflow $s$ (every cell of the bottleneck ends at utilisation $c + s^\\star$), then the
 smallest total overflow $\\sum_j o_j$, then the smallest network latency. The three levels
 are one linear program with exact penalties $M_1 s + M_2\\sum_j o_j$ whose weights are
-derived from the data (`_penalties`, theory/mnlb.md §2.2).
+derived from the data (`_penalties`, theory/mnlb.md §2.1).
 
 `_solve_one` solves it with Mehrotra's predictor-corrector interior-point method; the
 normal equations are reduced by their block structure to one dense $n\\times n$
@@ -90,7 +90,7 @@ def _penalties(tau, arcs, cell_on, cap):
     $(m-1)\\Delta$ of any alternating path that moves a unit of overflow into spare
     capacity, and $M_1 = 2(\\Delta + M_2)/c$ exceeds the largest rate
     $(\\Delta + M_2)/c$ at which raising $s$ can lower latency plus $M_2\\times$overflow
-    (theory/mnlb.md §2.2). `tau` is scaled so that $\\max\\tau = 1$.
+    (theory/mnlb.md §2.1). `tau` is scaled so that $\\max\\tau = 1$.
     """
     hi = jnp.max(jnp.where(arcs, tau, -jnp.inf))
     lo = jnp.min(jnp.where(arcs, tau, jnp.inf))

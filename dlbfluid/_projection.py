@@ -12,7 +12,7 @@ def project_simplex(v: Float[Array, "... n"], mask: Bool[Array, "... n"]) -> Flo
     """$\\Pi_{\\Delta}(v) = \\arg\\min_{z \\in \\Delta} \\|z - v\\|_2$ over the last axis, with
     $\\Delta = \\{z \\ge 0, \\sum_j z_j = 1, z_j = 0 \\text{ where not } \\texttt{mask}_j\\}$.
 
-    Sort-based threshold (Held, Wolfe and Crowder; see theory/routing.md): with $u$ the
+    Sort-based threshold (Held, Wolfe and Crowder; theory/model.md, *Policies*): with $u$ the
     allowed entries sorted in decreasing order, $\\rho = \\max\\{k: u_k > (\\sum_{l\\le k}
     u_l - 1)/k\\}$ and $\\theta = (\\sum_{l \\le \\rho} u_l - 1)/\\rho$, the projection is
     $(v - \\theta)^+$ on allowed entries. Rows with no allowed entry return zeros.

@@ -28,7 +28,7 @@ from ._shapes import lead
 
 
 class Scenario(eqx.Module):
-    """A DLB network (seed §3.2.1, theory-notes §1).
+    """A DLB network (seed §3.2.1, theory/model.md).
 
     **Fields** (`n` cells, `P` arrival breakpoints; a batch adds a leading axis):
     - `arrival_times`, `arrival_rates`: `(n, P)` piecewise-linear arrival profile

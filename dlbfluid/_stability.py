@@ -1,7 +1,7 @@
 """Local stability of flow routing: the linearised delay equation and the critical step size.
 
 Around an equilibrium $(N^*, x^*)$ of the cost family of a flow-routing policy
-(`solve_equilibrium`), the delayed dynamics of theory-notes §1.3/§2.2 linearise to the
+(`solve_equilibrium`), the delayed dynamics of theory/model.md linearise to the
 linear delay differential equation (theory/stability.md §1)
 
 $$\\dot y(t) = A_0 y(t) + \\sum_{k=1}^{K} A_k\\, y(t - \\theta_k),\\qquad
@@ -18,14 +18,14 @@ Two ways to find the critical step size $\\eta^*$ at which the rightmost charact
 root crosses the imaginary axis:
 
 * `symmetric_critical_step_size`: the closed form for one origin and two identical cells
-  (theory-notes §6.1; theory/stability.md §2);
+  (theory/stability.md §2);
 * the pseudospectral method (Breda-Maset-Vermiglio; the method of DDE-BIFTOOL): Chebyshev
   collocation of the infinitesimal generator, eigenvalues of the resulting matrix, Newton
   refinement on the characteristic matrix, and bisection of $\\eta$ on the sign of the
   spectral abscissa (theory/stability.md §3).
 
-`herding` measures the limit cycle of discrete routing from a simulation (theory-notes §6.1;
-theory/stability.md §5).
+`herding` measures the limit cycle of discrete routing from a simulation
+(theory/stability.md §5).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _on_one_blas_thread(fn):
 
 
 # ----------------------------------------------------------------------------------------
-# The symmetric closed form (theory-notes §6.1)
+# The symmetric closed form (theory/stability.md §2)
 # ----------------------------------------------------------------------------------------
 
 
@@ -123,7 +123,7 @@ def symmetric_critical_gain(a: float, tau: float) -> float:
 
 
 def symmetric_critical_step_size(a: float, fprime: float, lam: float, tau: float) -> float:
-    """Critical step size of one origin routing to two identical cells (theory-notes §6.1).
+    """Critical step size of one origin routing to two identical cells (theory/stability.md §2).
 
     The linearisation ($u = \\delta N_1 - \\delta N_2$, $y = \\delta x_1$) has the
     characteristic equation $s(s+a) + Ke^{-2\\tau s} = 0$ with $K = \\eta\\lambda f'(N^*)$,
@@ -703,7 +703,7 @@ def critical_step_size(
     **Arguments:**
     - `scenario`: one unbatched `Scenario`.
     - `policy`: `"flow-grad"`, `"flow-lat"`, `"flow-rif"` or a `FlowRouting`.
-    - `method`: `"symmetric"` (closed form of theory-notes §6.1; needs one origin routing
+    - `method`: `"symmetric"` (closed form of theory/stability.md §2; needs one origin routing
       between two identical cells over equal delays), `"pseudospectral"` (any network), or
       `"auto"` (the closed form when the structure allows it).
     - `nodes`: Chebyshev nodes $M$ of the pseudospectral discretisation.
@@ -834,8 +834,8 @@ def herding(
     step_size=1.0,
     integrator=None,
 ) -> HerdingResult:
-    """Amplitude and period of the herding limit cycle of discrete routing (theory-notes
-    §6.1; theory/stability.md §5), measured on the late trajectory of `simulate`.
+    """Amplitude and period of the herding limit cycle of discrete routing
+    (theory/stability.md §5), measured on the late trajectory of `simulate`.
 
     The signal is $u(t) = N_a(t) - N_b(t)$ over the last `window` fraction of the horizon;
     amplitude $= (\\max u - \\min u)/2$, period $= 2\\times$ the mean spacing of the zero

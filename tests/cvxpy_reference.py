@@ -1,6 +1,6 @@
 """Independent float64 solve of program (12) with cvxpy + Clarabel, for all-M/M/1 networks.
 
-The potentials are the closed forms of theory-notes §4. Used by the equilibrium tests
+The potentials are the closed forms of theory/equilibria.md §1.2. Used by the equilibrium tests
 (tight tolerances) and by benchmarks/bench_equilibrium.py (Clarabel's defaults, as a user
 would run it). No dlbfluid import.
 """

@@ -1,6 +1,6 @@
 """A catalogue of scenarios with known answers, shared by the tests.
 
-Closed forms are derived in theory/equilibria.md and theory-notes §8 (cited per entry).
+Closed forms are derived in theory/equilibria.md §4 and theory/stability.md §2 (cited per entry).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def three(**changes) -> dict:
 
 
 def two_mm1(mu1=2.0, mu2=1.0, lam=1.5, tau=0.0) -> dict:
-    """One origin (cell 0) and two M/M/1 cells (theory-notes §8 A when tau = 0).
+    """One origin (cell 0) and two M/M/1 cells (theory/equilibria.md §4 A when tau = 0).
 
     Wardrop: z1 = (lam + mu1 - mu2)/2. Social optimum (square-root rule):
     z_j = mu_j - sqrt(mu_j) (mu1 + mu2 - lam)/(sqrt(mu1) + sqrt(mu2)).
@@ -66,7 +66,7 @@ def wardrop_two(mu1, mu2, lam):
 
 def symmetric_pair(tau: float, lam: float = 1.0) -> dict:
     """One origin (a zero-capacity-demand hub) sending to two identical M/M/1 cells
-    (mubar = 1) over arcs of equal one-way delay tau (theory-notes §6.1)."""
+    (mubar = 1) over arcs of equal one-way delay tau (theory/stability.md §2)."""
     return {
         "name": "symmetric-pair",
         "cells": [

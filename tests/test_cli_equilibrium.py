@@ -23,7 +23,7 @@ KEYS = {
     "status",
 }
 
-TWO = {  # theory-notes §8 B: local cell, identical remote cell at round trip 0.5
+TWO = {  # theory/equilibria.md §4 B: local cell, identical remote cell at round trip 0.5
     "name": "local-remote",
     "cells": [
         {"name": "local", "arrival_rate": 0.5, "service": {"model": "mm1", "capacity": 1.0}},
@@ -68,7 +68,7 @@ def test_json_single_cost_from_file(tmp_path, capsys):
     assert rc == 0 and "price_of_anarchy" not in rec
     (e,) = rec["equilibria"]
     assert e["cost"] == "latency"
-    np.testing.assert_allclose(e["z"], [0.3860009, 0.1139991], atol=1e-7)  # §8 B
+    np.testing.assert_allclose(e["z"], [0.3860009, 0.1139991], atol=1e-7)  # theory/equilibria.md §4 B
     assert e["mean_latency"] == pytest.approx(1.6286670, abs=1e-7)
     rc, rec = _json(capsys, ["equilibrium", str(path), "--json"])
     assert rec["price_of_anarchy"]["latency"] == pytest.approx(1.0459653, abs=1e-7)

@@ -1,7 +1,7 @@
 """Equilibria (RIF, Wardrop, social optimum): closed forms, an independent cvxpy solver,
 certificates, batching, recompilation, sensitivities and the long-run dynamics.
 
-Closed forms are theory-notes §8 A, B, C, E, F, each derived in theory/equilibria.md §4.
+Closed forms are theory/equilibria.md §4 A, B, C, E, F, each derived there.
 Every small scenario here has at most 4 cells, so unbatched calls and batches of up to 8
 share one compiled solver per cost (see `_bucket`, `_batch_bucket`).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -48,7 +49,7 @@ def scn(cells, latency):
 
 
 def case_a(lam=1.5, mu=(2.0, 1.0), k=(1, 1)):
-    """§8 A: one origin (cell 0), two M/M/1 cells, no network latency."""
+    """§4 A: one origin (cell 0), two M/M/1 cells, no network latency."""
     return scn(
         [cell("fast", lam, mm1(mu[0]), k[0]), cell("slow", 0.0, mm1(mu[1]), k[1])],
         [[0.0, 0.0], [None, 0.0]],
@@ -56,14 +57,14 @@ def case_a(lam=1.5, mu=(2.0, 1.0), k=(1, 1)):
 
 
 def case_b(lam=0.5, g=0.5):
-    """§8 B: local cell and an identical remote cell at round trip g = 2 tau."""
+    """§4 B: local cell and an identical remote cell at round trip g = 2 tau."""
     return scn(
         [cell("local", lam, mm1(1.0)), cell("remote", 0.0, mm1(1.0))], [[0.0, g / 2], [None, 0.0]]
     )
 
 
 def case_c(residency=False):
-    """§8 C: two origins with offload, tau = 0.1 both ways."""
+    """§4 C: two origins with offload, tau = 0.1 both ways."""
     return scn(
         [cell("one", 0.9, mm1(1.0)), cell("two", 0.3, mm1(1.0))],
         [[0.0, None if residency else 0.1], [0.1, 0.0]],
@@ -71,7 +72,7 @@ def case_c(residency=False):
 
 
 def case_e(lam, M=1e6):
-    """§8 E: local M/M/1 (u = 1) and a huge remote M/M/1 (capacity M) whose round trip
+    """§4 E: local M/M/1 (u = 1) and a huge remote M/M/1 (capacity M) whose round trip
     makes its zero-load cost equal the local Wardrop latency 1/(1 - lam)."""
     g = 1.0 / (1.0 - lam) - 1.0 / M
     return scn(
@@ -80,7 +81,7 @@ def case_e(lam, M=1e6):
 
 
 def case_f(g):
-    """§8 F: two identical M/M/1 cells, all demand (0.2) at cell 0, round trip g."""
+    """§4 F: two identical M/M/1 cells, all demand (0.2) at cell 0, round trip g."""
     return scn(
         [cell("one", 0.2, mm1(1.0), 2), cell("two", 0.0, mm1(1.0), 2)], [[0.0, g / 2], [None, 0.0]]
     )
@@ -142,12 +143,12 @@ def random_mm1(rng, n=4, load=0.8):
 
 
 # ----------------------------------------------------------------------------------------
-# Closed forms (theory-notes §8)
+# Closed forms (theory/equilibria.md §4)
 # ----------------------------------------------------------------------------------------
 
 
 def test_parallel_mm1_wardrop_and_square_root_rule():
-    """§8 A: Wardrop z1 = (lam + mu1 - mu2)/2, both latencies 2/(mu1 + mu2 - lam); social
+    """§4 A: Wardrop z1 = (lam + mu1 - mu2)/2, both latencies 2/(mu1 + mu2 - lam); social
     optimum by the square-root rule; RIF with k = (2, 1) equalises N/k."""
     s = case_a()
     w = solve_equilibrium(s, "latency")
@@ -169,7 +170,7 @@ def test_parallel_mm1_wardrop_and_square_root_rule():
 
 
 def test_thresholds_of_the_slow_cell():
-    """§8 A thresholds: the optimum uses the slow cell iff lam > mu1 - sqrt(mu1 mu2)
+    """§4 A thresholds: the optimum uses the slow cell iff lam > mu1 - sqrt(mu1 mu2)
     (0.5858 here), Wardrop iff lam > mu1 - mu2 = 1."""
     for lam, used_opt, used_we in ((0.5, False, False), (0.8, True, False), (1.2, True, True)):
         s = case_a(lam=lam)
@@ -183,7 +184,7 @@ def test_thresholds_of_the_slow_cell():
 
 
 def test_local_versus_remote_with_network_latency():
-    """§8 B: Wardrop 1/(1-z_l) = 1/(1-z_r) + g, optimum 1/(1-z_l)^2 = 1/(1-z_r)^2 + g."""
+    """§4 B: Wardrop 1/(1-z_l) = 1/(1-z_r) + g, optimum 1/(1-z_l)^2 = 1/(1-z_r)^2 + g."""
     s = case_b()
     w = solve_equilibrium(s, "latency")
     o = solve_equilibrium(s, "gradient")
@@ -201,7 +202,7 @@ def test_local_versus_remote_with_network_latency():
 
 
 def test_two_origins_offload_and_residency():
-    """§8 C, and the residency variant with arc (1, 2) removed: x12 = 0, z = (0.9, 0.3)."""
+    """§4 C, and the residency variant with arc (1, 2) removed: x12 = 0, z = (0.9, 0.3)."""
     s = case_c()
     o = solve_equilibrium(s, "gradient")
     w = solve_equilibrium(s, "latency")
@@ -219,7 +220,7 @@ def test_two_origins_offload_and_residency():
 
 
 def test_price_of_anarchy_large_near_capacity():
-    """§8 E tight instance at 99% load: Wardrop keeps everything local (total
+    """§4 E tight instance at 99% load: Wardrop keeps everything local (total
     lam/(1-lam) = 99) while the optimum offloads, PoA -> (1 + sqrt(1/(1-lam)))/2 = 5.5
     as the remote capacity M -> infinity. The exact optimum for finite M is the root of
     the marginal-cost balance, solved here independently by bisection."""
@@ -246,14 +247,14 @@ def test_price_of_anarchy_large_near_capacity():
 
 @pytest.mark.parametrize("g, ratio", [(1.0, 1.2889), (10.0, 4.8889), (100.0, 40.889)])
 def test_rif_ignores_network_latency(g, ratio):
-    """§8 F: RIF equalises N, z = (0.1, 0.1), total 2(0.1/0.9) + 0.1 g; the optimum keeps
+    """§4 F: RIF equalises N, z = (0.1, 0.1), total 2(0.1/0.9) + 0.1 g; the optimum keeps
     everything local (total 0.25) once g >= 1/(1-lam)^2 - 1."""
     p = price_of_anarchy(case_f(g))
     np.testing.assert_allclose(p["equilibria"]["rif"].z, [0.1, 0.1], rtol=1e-12)
     assert float(p["equilibria"]["rif"].social_cost) == pytest.approx(2 / 9 + 0.1 * g, rel=1e-12)
     assert float(p["equilibria"]["gradient"].social_cost) == pytest.approx(0.25, rel=1e-12)
     assert float(p["rif"]) == pytest.approx((2 / 9 + 0.1 * g) / 0.25, rel=1e-12)
-    assert float(p["rif"]) == pytest.approx(ratio, abs=1e-3)  # the rounded table of §8 F
+    assert float(p["rif"]) == pytest.approx(ratio, abs=1e-3)  # the rounded table of theory/equilibria.md §4 F
 
 
 # ----------------------------------------------------------------------------------------
@@ -313,7 +314,7 @@ def test_certificate_rejects_a_wrong_routing():
 
 
 # ----------------------------------------------------------------------------------------
-# Independent reference: cvxpy + Clarabel on M/M/1 networks (potentials of theory-notes §4)
+# Independent reference: cvxpy + Clarabel on M/M/1 networks (potentials: theory/equilibria.md §1.2)
 # ----------------------------------------------------------------------------------------
 
 
@@ -341,7 +342,7 @@ def test_random_networks_match_cvxpy(cost):
 
 def test_softplus_potentials_against_quadrature():
     """p_j(z) = int_0^z f_j(mu^-1(s)) ds for softplus cells, checked by adaptive quadrature
-    in flow space with an independent numpy model (theory-notes §7) and scipy root finding,
+    in flow space with an independent numpy model (theory/service.md) and scipy root finding,
     for the latency and RIF costs."""
     from scipy.integrate import quad
     from scipy.optimize import brentq
@@ -441,16 +442,17 @@ def test_failed_early_polish_resumes_the_interior_point():
     the solver resumes stage 1 from the point it left and polishes again at the full
     barrier gap.
 
-    With the switch forced to a barely centred point (gap 1) the early polish alone ends
-    far from the equilibrium (retry disabled: `ActiveSetPolish.retry` huge); with the
-    retry the result is certified and equals the default solve."""
+    With the switch forced to a barely centred point (gap 1) and a weak polish (8 undamped
+    steps) the early polish alone ends far from the equilibrium (retry disabled:
+    `ActiveSetPolish.retry` huge); with the retry the result is certified and equals the
+    default solve."""
     s = heavy_residency(0.99)
     ref = solve_equilibrium(s, "gradient")
 
     def run(retry):
         solver = eqm.EquilibriumSolver(
             interior_point=eqm.InteriorPoint(switch_gap=1.0),
-            polish=eqm.ActiveSetPolish(retry=retry),
+            polish=eqm.ActiveSetPolish(retry=retry, iters=8, damping=0.0),
         )
         f = jax.jit(lambda sc, lam: solver.solve_one(sc, lam, 1e-10, 200, "gradient"))
         return f(s.strip(), s.arrival_rate(0.0))
@@ -633,3 +635,23 @@ def test_mmatrix_factor_serves_several_right_hand_sides():
     # the residual is at rounding level relative to |S||u|
     res = S @ both - b
     assert np.max(np.abs(res)) <= 1e-12 * np.max(np.abs(S) @ np.abs(both))
+
+
+def test_near_capacity_social_optimum():
+    """Two random 10-cell networks at 99.6% and 99.9% of total capacity
+    (`benchmarks/equilibrium_near_capacity.py`, seed 7; theory/equilibria.md §3.6) whose
+    social optimum the solver used to miss (KKT 7e-2 and 2e-2 after 200 iterations). The
+    default solver certifies both to 1e-10; without the stall hand-over, the polish damping
+    and its extra passes (the earlier settings) it does not."""
+    data = Path(__file__).resolve().parent / "data"
+    scns = [dl.load_scenario(data / f"near_capacity_{i}.json") for i in (233, 409)]
+    batch = dl.stack_scenarios(scns)
+    sol = solve_equilibrium(batch, "gradient")
+    assert sol.status_names().tolist() == ["success", "success"]
+    assert float(np.max(sol.kkt_residual)) <= 1e-10
+    weak = eqm.EquilibriumSolver(
+        interior_point=eqm.InteriorPoint(stall_passes=10**6),
+        polish=eqm.ActiveSetPolish(iters=8, damping=0.0),
+    )
+    old = solve_equilibrium(batch, "gradient", solver=weak)
+    assert "not_converged" in old.status_names().tolist()

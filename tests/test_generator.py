@@ -28,7 +28,7 @@ def small():
 
 
 def ref_softplus_rate(N, C, L0, N0, s):
-    """mu(N) = N / (L0 + s/C log(1 + exp((N - N0)/s))), written from theory-notes §7."""
+    """mu(N) = N / (L0 + s/C log(1 + exp((N - N0)/s))), written from theory/service.md."""
     u = (N - N0) / s
     sp = u + math.log1p(math.exp(-u)) if u > 0 else math.log1p(math.exp(u))
     return N / (L0 + s / C * sp)

@@ -1,4 +1,4 @@
-"""Service models against closed forms and the table of theory-notes §7."""
+"""Service models against closed forms and the softplus table of theory/service.md."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import dlbfluid as dl
 
 N_TABLE = np.array([0.0, 1.0, 5.0, 10.0, 20.0, 50.0, 100.0])
-# theory-notes §7 unit-test values for L0 = 1, mubar = 10, N0 = 5, s = 2 (a0 = 0.5).
+# theory/service.md unit-test values for L0 = 1, mubar = 10, N0 = 5, s = 2 (a0 = 0.5).
 ELL = [1.015778, 1.025386, 1.138629, 1.515778, 2.500111, 5.500000, 10.500000]
 MU = [0.0, 0.975243, 4.391244, 6.597272, 7.999646, 9.090909, 9.523810]
 MUP = [0.9844671, 0.9639055, 0.6854186, 0.2575037, 0.08018749, 0.01652893, 0.004535147]

@@ -183,7 +183,7 @@ def test_failure_is_a_status_not_a_crash():
 
 
 def test_long_run_reaches_square_root_rule_and_wardrop():
-    """Two M/M/1 cells, no delay (theory-notes §8 A): flow-grad -> square-root rule and
+    """Two M/M/1 cells, no delay (theory/equilibria.md §4 A): flow-grad -> square-root rule and
     flow-lat -> equal-latency Wardrop split, both to 1e-6 in N and z."""
     s = dl.scenario_from_dict(two_mm1())
     for pol, (z, N) in (("flow-grad", square_root_rule(2.0, 1.0, 1.5)),
@@ -196,7 +196,7 @@ def test_long_run_reaches_square_root_rule_and_wardrop():
 
 
 def test_discrete_routing_herds_while_flow_converges():
-    """One origin, two identical cells, one-way delay 1 s (theory-notes §6.1): discrete
+    """One origin, two identical cells, one-way delay 1 s (theory/stability.md §2, §5): discrete
     routing oscillates for ever (swing of N1 - N2 about 1.6), flow routing with a step
     below the critical 0.0336 settles at the equilibrium N* = (1, 1)."""
     d = symmetric_pair(1.0)

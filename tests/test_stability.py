@@ -1,6 +1,6 @@
 """Stability thresholds of flow routing (theory/stability.md).
 
-Closed form for one origin and two identical cells (theory-notes §6.1), the pseudospectral
+Closed form for one origin and two identical cells (theory/stability.md §2), the pseudospectral
 method for any network, their agreement, the convergence in the number of Chebyshev
 nodes, validation against batched simulations, herding of discrete routing and the
 `dlbfluid stability` command.
@@ -31,7 +31,7 @@ from dlbfluid._stability import (
     symmetric_critical_step_size,
 )
 
-# theory-notes §6.1: M/M/1 mu(N) = N/(1+N), lambda = 1, gradient cost f = (1+N)^2, so
+# theory/stability.md §2: M/M/1 mu(N) = N/(1+N), lambda = 1, gradient cost f = (1+N)^2, so
 # N* = 1, a = mu'(N*) = 1/4, f'(N*) = 2(1+N*) = 4.
 TABLE = {0.25: 0.12753, 0.5: 0.06497, 1.0: 0.03359, 2.0: 0.01773}
 A, FP, LAM = 0.25, 4.0, 1.0
@@ -250,7 +250,7 @@ def _rates(sol, Nstar, T):
 
 def test_simulation_symmetric_pair():
     """Decay at 0.9 eta*, growth at 1.1 eta* at the rates of the rightmost roots, and a
-    sustained oscillation at 1.1 eta* from a large perturbation (theory-notes §8 G)."""
+    sustained oscillation at 1.1 eta* from a large perturbation (theory/stability.md §4)."""
     res = critical_step_size(_pair(0.5), "flow-grad")
     eta = res.critical_step_size
     near = dict(workload=[0.0, 1.0, 1.0], routing=[[0, 0.505, 0.495], [0, 1, 0], [0, 0, 1]])
@@ -312,7 +312,7 @@ def test_simulation_three_cells(three_rif):
 
 
 def test_herding_matches_notes():
-    """theory-notes §6.1: tau 0.1/0.5/1.0 -> amplitude 0.195/0.886/1.579, period
+    """theory/stability.md §5: tau 0.1/0.5/1.0 -> amplitude 0.195/0.886/1.579, period
     0.78/3.6/6.7, mean N1 + N2 2.003/2.066/2.215 (Euler, dt = 1e-3)."""
     taus = [0.1, 0.5, 1.0]
     batch = dl.stack_scenarios([_pair(t, workload=[0.0, 1.2, 0.8]) for t in taus])

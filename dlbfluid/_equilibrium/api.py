@@ -229,8 +229,8 @@ def solve_equilibrium(
     - `cost`: `"rif"`, `"latency"`, `"gradient"`, any registered cost name, or an
       `AbstractCost`.
     - `tol`: KKT residual below which a scenario reports `success`.
-    - `max_iters`: interior-point iteration cap (a polish of at most 8 Newton steps
-      follows).
+    - `max_iters`: interior-point iteration cap (a polish of at most
+      `ActiveSetPolish.iters` Newton steps follows).
     - `time`: arrival rates are $\\lambda_i(\\texttt{time})$ of each profile.
     - `throw`: raise `EquilibriumError` on a failed scenario; default True unbatched,
       False for a batch (failures are then reported in `status`).

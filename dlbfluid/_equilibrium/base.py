@@ -90,7 +90,9 @@ def linearise(pb: _Problem, st: SolverState, *, interior: bool) -> Linearised:
     s = jnp.where(st.fresh, jnp.where(A, tau * w * iy, 0.0), s)
     red = c - nu[:, None]
     if not interior:
-        act = act | (A & (red < -1e-9 * cbar[:, None]))
+        # (an arc the last pass dropped may not rejoin at once: a support that cannot
+        # keep it would otherwise drop and re-add it for ever)
+        act = act | (A & (red < -1e-9 * cbar[:, None]) & ~st.banned)
     rp = jnp.where(src, jnp.sum(jnp.where(act, y, 0.0), axis=1) - lam, 0.0)
     Pt = jnp.clip(dF * ell / jnp.maximum(hN, _TINY), _TINY, _HUGE)
     Pmax = jnp.max(jnp.where(fed, Pt, 0.0))

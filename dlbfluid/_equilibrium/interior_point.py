@@ -40,8 +40,13 @@ class InteriorPoint(AbstractStage):
     $|c - \\nu - s|/\\bar c$ (times `1/dual_factor`) below `switch_gap` on the first try and
     `gap` on the second, or when the line search fails, or after `max_iters` iterations.
 
+    In the resumed round it also ends when it stalls: at feasible points, its convergence
+    score (the larger of gap and dual residual, each over its target) has not halved for
+    `stall_passes` passes.
+
     **Fields:** `switch_gap` (1e-6), `gap` (1e-10), `feasibility` (1e-8), `kappa` (0.1),
-    `dual_factor` (1), `capacity_fraction` (0.8), `max_backtracks` (30).
+    `dual_factor` (1), `capacity_fraction` (0.8), `max_backtracks` (30), `stall_passes`
+    (3).
     """
 
     switch_gap: float = 1e-6
@@ -51,6 +56,7 @@ class InteriorPoint(AbstractStage):
     dual_factor: float = 1.0
     capacity_fraction: float = 0.8
     max_backtracks: int = 30
+    stall_passes: int = 3
 
     def active(self, st: SolverState, tol):
         return st.phase == 0
@@ -151,7 +157,20 @@ class InteriorPoint(AbstractStage):
         rd = jnp.max(jnp.where(A, jnp.abs(ct - nun[:, None] - s1), 0.0) * (1.0 / cbar1)[:, None])
         gap_tol = jnp.where(st.retry, self.switch_gap, self.gap)
         conv = feas & (tau1 * pb.deg <= gap_tol) & (rd <= self.dual_factor * gap_tol)
-        end = conv | ~(good | flat) | (st.it + 1 >= max_iters)
+        # Stall: near capacity the attainable dual residual can sit above the target (the
+        # costs of nearly saturated cells are steep in the flows), and the iterates then
+        # drift. In the resumed round (after a failed early polish), once the point is
+        # feasible its score (1 at convergence) must halve every `stall_passes` passes, or
+        # the stage hands over to the polish.
+        watch = feas & ~st.retry
+        score = jnp.where(
+            watch,
+            jnp.maximum(tau1 * pb.deg / gap_tol, rd / (self.dual_factor * gap_tol)),
+            jnp.inf,
+        )
+        better = watch & (score < 0.5 * st.score)
+        stall = jnp.where(watch & ~better, st.stall + 1, 0)
+        end = conv | ~(good | flat) | (st.it + 1 >= max_iters) | (stall >= self.stall_passes)
         # Support for stage 2: y_ij / lambda_i against s_ij / cbar_i, plus the largest arc
         # of every source; everything else is switched off.
         # (with w1 = lambda_i cbar_i on A this reads y_ij >= sqrt(tau1) lambda_i)
@@ -177,4 +196,6 @@ class InteriorPoint(AbstractStage):
             retry=st.retry & ~(end & ~conv),
             keep=keep,
             keep_tau=jnp.where(keep_now, tau1, st.keep_tau),
+            score=jnp.where(better, score, st.score),
+            stall=stall,
         )

@@ -1,4 +1,4 @@
-"""The Newton systems of the equilibrium solver (theory/equilibria.md §3.2).
+"""The Newton systems of the equilibrium solver (theory/equilibria.md §3.1, *Newton system*).
 
 Both stages solve their Newton systems through a Schur complement in the per-source
 multipliers, a symmetric diagonally dominant M-matrix that is factored by GTH-style
@@ -21,7 +21,7 @@ def _mmatrix_factor(off, excess):
     Gaussian elimination in the GTH form: every pivot is recomputed as the remaining
     off-diagonal mass plus the row excess, and the excesses are updated as sums of
     non-negative terms, so no step subtracts nearly equal numbers (theory/equilibria.md
-    §3.2). No pivoting is needed: the matrix stays diagonally dominant. Returns the
+    §3.1). No pivoting is needed: the matrix stays diagonally dominant. Returns the
     eliminated matrix (its strict upper part is $U$'s, its strict lower part holds the
     eliminated column entries, $L_{ik} = $ entry $/$ pivot) and the pivots.
     """
@@ -124,7 +124,7 @@ def _newton_direction(E, q, rp, P, src):
     Eliminating $w_j = P_j\\Delta z_j = W_j(\\sum_i E_{ij}\\Delta\\nu_i - \\sum_i E_{ij}q_{ij})$,
     $W_j = 1/(\\sum_i E_{ij} + 1/P_j)$, leaves $S\\Delta\\nu = \\text{rhs}$ with
     $S_{ik} = -\\sum_j E_{ij}W_jE_{kj}$ ($i \\ne k$) and row sums $\\sum_j E_{ij}W_j/P_j$
-    (theory/equilibria.md §3.2). Rows of sources without demand are the identity.
+    (theory/equilibria.md §3.1). Rows of sources without demand are the identity.
     """
     return _schur(E, P, src).solve(q, rp)
 

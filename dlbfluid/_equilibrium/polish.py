@@ -1,4 +1,4 @@
-"""Stage 2 of the equilibrium solver: an active-set Newton polish (theory/equilibria.md §3.1)."""
+"""Stage 2 of the equilibrium solver: an active-set Newton polish (theory/equilibria.md §3.2)."""
 
 from __future__ import annotations
 
@@ -23,19 +23,26 @@ class ActiveSetPolish(AbstractStage):
     (a proximal term that only selects among equivalent flows on cycles of the support).
     Small flows that a step would drive negative leave the support without a step;
     otherwise a ratio test drops the first arc to reach zero; arcs with a clearly negative
-    reduced cost join. The best point seen (smallest scaled residual) is kept; the stage
+    reduced cost join, except those dropped on the pass before (a support that cannot
+    hold an arc would otherwise drop and re-add it for ever). The best point seen (smallest scaled residual) is kept; the stage
     stops after `iters` steps (plus one pass that scores the last point) or once that
     residual is below `done`. If the first polish, started at the interior point's
     `switch_gap`, ends above `retry * tol`, stage 1 resumes from the point it left, down to
     its full `gap` (theory/equilibria.md §3.1).
 
-    **Fields:** `iters` (8), `reg` (1e-9), `done` (1e-14), `retry` (1e-2).
+    Near capacity the identified support can hold more arcs than the equality system can
+    satisfy (cycles whose round-trip costs do not cancel); the proximal weight of arc
+    $(i,j)$ is then $\epsilon\tilde P_j + $ `damping` $|q_{ij}|/y_{ij}$, so such arcs move by
+    about their own flow instead of by huge circulations (theory/equilibria.md §3.6).
+
+    **Fields:** `iters` (24), `reg` (1e-9), `done` (1e-14), `retry` (1e-2), `damping` (1).
     """
 
-    iters: int = 8
+    iters: int = 24
     reg: float = 1e-9
     done: float = 1e-14
     retry: float = 1e-2
+    damping: float = 1.0
 
     def _pol(self, st: SolverState):
         # A stage 1 stopped by its iteration cap enters at the last pass: it only scores.
@@ -57,8 +64,11 @@ class ActiveSetPolish(AbstractStage):
         )  # fmt: skip
         # (the proximal weight uses the curvature floored at 1e-6 of the largest, so that a
         # nearly flat cell, e.g. one of huge capacity, does not make E explode)
-        E = jnp.where(act, 1.0 / (self.reg * jnp.maximum(Pt, 1e-6 * L.Pmax)[None, :]), 0.0)
         q = jnp.where(act, red, 0.0)
+        prox = self.reg * jnp.maximum(Pt, 1e-6 * L.Pmax)[None, :]
+        if self.damping:
+            prox = prox + self.damping * jnp.abs(q) / jnp.maximum(y, _TINY)
+        E = jnp.where(act, 1.0 / prox, 0.0)
         shift = jnp.where(fed, -dF * h / jnp.maximum(hN, _TINY), 0.0)
         dy, dnu = _newton_direction(E, q + jnp.where(A, shift[None, :], 0.0), rp, Pt, src)
         dz = jnp.sum(dy, axis=0)
@@ -101,6 +111,7 @@ class ActiveSetPolish(AbstractStage):
             pol=pol + 1,
             ptot=st.ptot + 1,
             act=act2,
+            banned=small,
             best_y=jnp.where(better, y, st.best_y),
             best_N=jnp.where(better, N, st.best_N),
             best_m=best_m,
@@ -108,7 +119,14 @@ class ActiveSetPolish(AbstractStage):
             retry=st.retry & ~back,
         )
         resume = dataclasses.replace(
-            out, point=st.keep, tau=st.keep_tau, phase=jnp.asarray(0), pol=jnp.asarray(0), act=A
+            out,
+            point=st.keep,
+            tau=st.keep_tau,
+            phase=jnp.asarray(0),
+            pol=jnp.asarray(0),
+            act=A,
+            score=jnp.asarray(jnp.inf, st.score.dtype),
+            stall=jnp.asarray(0),
         )
         return _select(back, resume, out)
 

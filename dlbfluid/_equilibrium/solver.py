@@ -65,6 +65,7 @@ class EquilibriumSolver(eqx.Module):
             ptot=jnp.asarray(0),
             capped=jnp.asarray(False),
             act=A,
+            banned=jnp.zeros_like(A),
             best_y=y0,
             best_N=zero_n,
             best_m=jnp.asarray(jnp.inf, lam.dtype),
@@ -73,6 +74,8 @@ class EquilibriumSolver(eqx.Module):
             retry=jnp.asarray(True),
             keep=point,
             keep_tau=one,
+            score=jnp.asarray(jnp.inf, lam.dtype),
+            stall=jnp.asarray(0),
         )
 
     @property

@@ -29,12 +29,15 @@ class SolverState(eqx.Module):
     - progress: `phase` (0 interior point, 1 polish), `it` (interior-point iterations),
       `pol` (polish passes of the current polish), `ptot` (polish passes in all),
       `capped` (stage 1 stopped at `max_iters`: the polish only scores its point);
-    - the polish: `act` `(n, n)`, its support; `best_y`, `best_N`, `best_m`, the best
-      point seen and its scaled residual (what the solver returns);
+    - the polish: `act` `(n, n)`, its support; `banned`, the arcs it dropped on its last
+      pass (they may not rejoin on the next); `best_y`, `best_N`, `best_m`, the best point
+      seen and its scaled residual (what the solver returns);
     - flags: `fresh` (first pass: dual estimates from the start), `converged` (the
       interior point reached its gap), `retry` (the early hand-over has not failed yet);
     - the resume point: `keep`, `keep_tau`, where the interior point ended its first
-      hand-over (a failed early polish resumes stage 1 from there).
+      hand-over (a failed early polish resumes stage 1 from there);
+    - stall detection: `score`, the interior point's best convergence score in this round
+      (1 = converged), and `stall`, passes since it last halved.
     """
 
     point: Iterate
@@ -45,6 +48,7 @@ class SolverState(eqx.Module):
     ptot: Int[Array, ""]
     capped: Bool[Array, ""]
     act: Bool[Array, "n n"]
+    banned: Bool[Array, "n n"]
     best_y: Float[Array, "n n"]
     best_N: Float[Array, " n"]
     best_m: Float[Array, ""]
@@ -53,3 +57,5 @@ class SolverState(eqx.Module):
     retry: Bool[Array, ""]
     keep: Iterate
     keep_tau: Float[Array, ""]
+    score: Float[Array, ""]
+    stall: Int[Array, ""]
