@@ -29,11 +29,22 @@ Combinations whose estimated time (scaled linearly in the batch from the previou
 measured on the same cells and path) exceeds `--budget-s` are reported as skipped, except
 the batches of `--never-skip` (default 1, 100, 1000: the target batch size is always run).
 
+`--appb` measures instead the paper's probe cadence against the machine's arithmetic floor
+(issue #11): App.-B scenarios from the seed's generator (`appb_batch`), tick 5 ms,
+`Fast()` with its default sub-steps, flow-grad, cells 2/5/10/20, batches 1/100/1000,
+float64 and float32. Per configuration it reports `scenario_ticks_per_s`,
+`us_per_scenario_tick`, `ops_per_scenario_tick` (floating-point operations counted from
+the algorithm, `ops_per_tick`), the achieved operation rate and its fraction of the peak of
+a large matmul of the same dtype timed in the same run (`machine_peak`); then the measured
+scaling exponents of the cost in batch (100 to 1000), horizon (K to 2K ticks) and cells.
+
 One JSON object goes to stdout (and to `--out`), a table to stderr. Run, e.g.:
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_simulate.py --quick
     PYTHONUNBUFFERED=1 python benchmarks/bench_simulate.py \
         --out benchmarks/results/simulate_cpu.json
+    PYTHONUNBUFFERED=1 python benchmarks/bench_simulate.py --appb \
+        --out benchmarks/results/simulate_appb_cpu.json
 """
 
 from __future__ import annotations
@@ -82,6 +93,15 @@ def _ints(s: str) -> list[int]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="batches 1,100 and cells 2,5")
+    p.add_argument(
+        "--appb",
+        action="store_true",
+        help="the App.-B case at the probe cadence against the machine's peak (see above)",
+    )
+    p.add_argument(
+        "--dtypes", default="float64,float32", help="--appb: comma list of float64, float32"
+    )
+    p.add_argument("--ticks", type=int, default=400, help="--appb: ticks per call (default 400)")
     p.add_argument("--batches", type=_ints, default=None, help="default 1,100,1000,10000")
     p.add_argument("--cells", type=_ints, default=None, help="default 2,5,10")
     p.add_argument("--paths", default="fast,accurate", help="comma list of fast, accurate")
@@ -94,7 +114,9 @@ def parse_args(argv=None):
         default=20,
         help="save intervals (errors are measured at the saved ticks)",
     )
-    p.add_argument("--substeps", type=int, default=4, help="Fast(substeps)")
+    p.add_argument(
+        "--substeps", type=int, default=None, help="Fast(substeps) (default: chosen per batch)"
+    )
     p.add_argument("--rtol", type=float, default=1e-8, help="Accurate(rtol)")
     p.add_argument("--atol", type=float, default=1e-10, help="Accurate(atol)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float64")
@@ -139,6 +161,27 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
+    if a.substeps is not None and a.substeps < 1:
+        p.error(f"--substeps: {a.substeps} is invalid: expected an integer >= 1")
+    if a.out is not None:
+        out = Path(a.out)
+        if out.exists() and out.is_dir():
+            p.error(f"--out: {a.out!r} is a directory: expected a file path")
+        if not out.parent.exists() and not out.parent.parent.exists():
+            p.error(f"--out: the directory of {a.out!r} does not exist")
+    if a.appb:
+        a.dtypes = [s.strip() for s in a.dtypes.split(",") if s.strip()]
+        for d in a.dtypes:
+            if d not in ("float32", "float64"):
+                p.error(f"--dtypes: unknown dtype {d!r} (allowed: float64, float32)")
+        if a.ticks < 2:
+            p.error(f"--ticks: {a.ticks} is invalid: expected >= 2")
+        a.batches = sorted(set(a.batches or [1, 100, 1000]))
+        a.cells = a.cells or [2, 5, 10, 20]
+        if a.tick == 0.05:  # (the parser's default: the App.-B case runs at 5 ms)
+            a.tick = 0.005
+        a.step_size = 0.5 if a.step_size == 0.2 else a.step_size
+        return a
     if a.batches is None:
         a.batches = [1, 100] if a.quick else [1, 100, 1000, 10000]
     if a.cells is None:
@@ -189,6 +232,21 @@ def fast_stack(scenarios):
         jnp.asarray(np.stack([np.asarray(lv[k]) for lv in leaves])) for k in range(len(leaves[0]))
     ]
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, stacked), parts[0][1])
+
+
+def appb_batch(n_cells: int | None, B: int, *, seed: int = 0, horizon: float = 600.0):
+    """`B` scenarios of the seed's App. B generator (`dl.generate`, stream `seed`), all with
+    `n_cells` cells (`None`: the generator's own 2-10), as one padded batch; arrival
+    profiles cover `horizon` seconds. Equal shapes are stacked with `fast_stack`."""
+    lo, hi = (2, 10) if n_cells is None else (n_cells, n_cells)
+    gen = dl.generate(seed, B, min_cells=lo, max_cells=hi)
+    parsed = [
+        dl.scenario_from_dict(d, allow_overload=True)
+        for d in dl.scenario_dicts(gen, horizon=horizon)
+    ]
+    if n_cells is None:
+        return dl.stack_scenarios(parsed)
+    return fast_stack(parsed)
 
 
 class ScenarioPool:
@@ -303,7 +361,7 @@ def match_peer(refs, args, m: int, err: float) -> dict:
 
 def make_integrator(path: str, args):
     if path == "fast":
-        return dl.Fast(args.substeps)
+        return dl.Fast() if args.substeps is None else dl.Fast(args.substeps)
     return dl.Accurate(rtol=args.rtol, atol=args.atol)
 
 
@@ -407,8 +465,236 @@ def fmt_table(results, meta) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------
+# --appb: the probe cadence against the arithmetic floor
+# ----------------------------------------------------------------------------------------
+
+
+def ops_per_tick(n: int, substeps: int, window: int) -> dict:
+    """Floating-point operations of one flow-grad scenario-tick of `Fast`, counted from the
+    algorithm (theory/discretisation.md, *Fast path*); an add, multiply, compare or select
+    counts one, a transcendental one. `window` is the number of arrival-profile breakpoints
+    each arc integral visits (`_window_width`). The terms:
+
+    * inflow pieces: two `rate_integral`s and two `rate_slope`s per arc over the window,
+      about 12 and 4 operations per profile piece, plus 12 per arc for the coefficients;
+    * the per-cell switch sweep (permute, cumulative sums, masses): about 14 per arc;
+    * cumulative inflow at the stage times: 3 per sub-step and cell, each n compares plus 8;
+    * service rates (softplus cells: about 14 each, 4 per sub-step and cell) and the stage
+      arithmetic (about 30 per sub-step and cell);
+    * observations: about 10 per arc plus 16 per arc and sub-step (dense output, select);
+    * the routers' demand this tick (12 per profile piece and cell) and the mass in flight
+      (4 per arc);
+    * flow-grad: the marginal cost per arc (about 20: latency, its slope, the product), the
+      step (3 per arc), the simplex projection by pairwise comparisons (about 5 n^2 per
+      router: compare, mask, select, two sums) and its threshold (4 per arc);
+    * bookkeeping: finiteness and sign checks, ring writes, totals (about 6 per arc).
+    """
+    n2, M, W = n * n, substeps, max(window - 1, 1)
+    parts = {
+        "inflow_pieces": n2 * (2 * 12 * W + 2 * 4 * W + 12),
+        "switch_sweep": 14 * n2,
+        "cumulative_inflow": 3 * M * n * (n + 8),
+        "service_and_stages": M * n * (4 * 14 + 30),
+        "observations": n2 * (10 + 16 * M),
+        "demand_and_flight": n * 12 * W + 4 * n2,
+        "policy": n2 * (20 + 3 + 4) + n * 5 * n2,
+        "bookkeeping": 6 * n2,
+    }
+    return dict(parts, total=int(sum(parts.values())))
+
+
+def machine_peak(dtype, size: int = 2048, repeats: int = 5) -> dict:
+    """Operations per second of a `size`-square matmul (2 size^3 operations) on the default
+    device in `dtype`, best of `repeats` after compiling: the peak we compare against."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    a = jax.random.normal(k1, (size, size), dtype)
+    b = jax.random.normal(k2, (size, size), dtype)
+    f = jax.jit(jnp.matmul)
+    jax.block_until_ready(f(a, b))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        best = min(best, time.perf_counter() - t0)
+    return {"size": size, "wall_s": best, "ops_per_s": 2.0 * size**3 / best}
+
+
+def _time_appb(batch, args, dtype, ticks: int):
+    """(first call, compile seconds, best steady wall, solution) of one App.-B call."""
+    integ = make_integrator("fast", args)
+
+    def call():
+        t0 = time.perf_counter()
+        sol = dl.simulate(
+            batch,
+            POLICY,
+            step_size=args.step_size,
+            tick=args.tick,
+            horizon=ticks * args.tick,
+            n_save=4,
+            integrator=integ,
+            dtype=dtype,
+        )
+        jax.block_until_ready(sol.N)
+        return sol, time.perf_counter() - t0
+
+    _SPANS.clear()
+    sol, first = call()
+    compile_s = min(compile_seconds(), first)
+    walls = []
+    while len(walls) < args.repeats and (not walls or sum(walls) < args.min_time):
+        walls.append(call()[1])
+    return first, compile_s, min(walls), walls, sol
+
+
+def _slope(xs, ys) -> float:
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+
+
+def main_appb(args):
+    from dlbfluid._simulate import _window_width
+
+    t_all = time.perf_counter()
+    K = args.ticks
+    meta = {
+        "benchmark": "simulate_appb",
+        "devices": [str(d) for d in jax.devices()],
+        "backend": jax.default_backend(),
+        "policy": POLICY,
+        "tick": args.tick,
+        "ticks": K,
+        "step_size": args.step_size,
+        "integrator": {"fast": {"substeps": "auto" if args.substeps is None else args.substeps}},
+        "scenarios": "benchmarks/bench_simulate.py::appb_batch (dl.generate, seed App. B)",
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "jax_version": jax.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
+    peaks = {d: machine_peak(getattr(jnp, d)) for d in args.dtypes}
+    for d, pk in peaks.items():
+        log(f"peak ({d} matmul {pk['size']}^2): {pk['ops_per_s']:.3g} ops/s")
+    results, scaling = [], {}
+    for n in args.cells:
+        full = appb_batch(n, max(args.batches), seed=args.seed, horizon=2 * K * args.tick)
+        fast = make_integrator("fast", args)
+        # (`for_batch` picks the sub-steps; a version without it has a fixed default)
+        if hasattr(fast, "for_batch"):
+            M = fast.substeps or fast.for_batch(full, args.tick).max_substeps
+        else:
+            M = fast.substeps
+        tau = np.where(np.asarray(full.allowed), np.asarray(full.latency), 0.0)
+        window = _window_width(
+            np.asarray(full.arrival_times),
+            float(tau.max() + 2.0 * args.tick),
+            np.asarray(full.arrival_rates),
+        )
+        ops = ops_per_tick(n, M, window)
+        for d in args.dtypes:
+            dtype = getattr(jnp, d)
+            for B in args.batches:
+                batch = jax.tree_util.tree_map(lambda a: a[:B] if eqx.is_array(a) else a, full)
+                first, comp, wall, walls, sol = _time_appb(batch, args, dtype, K)
+                n_ok = int(np.sum(np.asarray(sol.status) == dl.STATUS["success"]))
+                sps = B * K / wall
+                res = {
+                    "n_cells": n,
+                    "batch": B,
+                    "dtype": d,
+                    "substeps": M,
+                    "compile_s": comp,
+                    "first_call_s": first,
+                    "wall_s": wall,
+                    "steady_walls_s": walls,
+                    "scenario_ticks_per_s": sps,
+                    "us_per_scenario_tick": 1e6 / sps,
+                    "ops_per_scenario_tick": ops["total"],
+                    "ops_breakdown": ops,
+                    "achieved_ops_per_s": ops["total"] * sps,
+                    "fraction_of_peak": ops["total"] * sps / peaks[d]["ops_per_s"],
+                    "n_success": n_ok,
+                }
+                results.append(res)
+                log(
+                    f"[appb n={n} B={B} {d} M={M}] compile {comp:.1f}s wall {wall:.3f}s "
+                    f"{sps:.4g} scenario-ticks/s ({1e6 / sps:.2f} us), "
+                    f"{ops['total']} ops/tick, {100 * res['fraction_of_peak']:.2f}% of peak, "
+                    f"{n_ok}/{B} ok"
+                )
+        if n == max(args.cells) or n == 10:
+            # Horizon: twice the ticks on the largest batch, float64 (or the first dtype).
+            d = args.dtypes[0]
+            B = max(args.batches)
+            batch = jax.tree_util.tree_map(lambda a: a[:B] if eqx.is_array(a) else a, full)
+            _, _, w2, _, _ = _time_appb(batch, args, getattr(jnp, d), 2 * K)
+            w1 = next(
+                r["wall_s"] for r in results if (r["n_cells"], r["batch"], r["dtype"]) == (n, B, d)
+            )
+            scaling[f"horizon_n{n}_B{B}_{d}"] = {
+                "ticks": [K, 2 * K],
+                "wall_s": [w1, w2],
+                "exponent": _slope([K, 2 * K], [w1, w2]),
+            }
+        del full
+    for d in args.dtypes:
+        rows = [r for r in results if r["dtype"] == d]
+        big = [b for b in args.batches if b >= 100]
+        if len(big) >= 2:
+            for n in args.cells:
+                rs = [r for r in rows if r["n_cells"] == n and r["batch"] in big]
+                scaling[f"batch_n{n}_{d}"] = {
+                    "batches": [r["batch"] for r in rs],
+                    "wall_s": [r["wall_s"] for r in rs],
+                    "exponent": _slope([r["batch"] for r in rs], [r["wall_s"] for r in rs]),
+                }
+        Bm = max(args.batches)
+        cs = [n for n in args.cells if n >= 5]
+        if len(cs) >= 2:
+            us = [
+                next(
+                    r["us_per_scenario_tick"] for r in rows if (r["n_cells"], r["batch"]) == (n, Bm)
+                )
+                for n in cs
+            ]
+            scaling[f"cells_B{Bm}_{d}"] = {
+                "cells": cs,
+                "us_per_scenario_tick": us,
+                "exponent": _slope(cs, us),
+                "exponent_last_pair": _slope(cs[-2:], us[-2:]),
+            }
+    for key, v in scaling.items():
+        log(f"scaling {key}: exponent {v['exponent']:.2f}")
+    meta["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    meta["total_s"] = time.perf_counter() - t_all
+    out = dict(meta, machine_peak=peaks, results=results, scaling=scaling)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    hdr = f"{'cells':>5} {'batch':>6} {'dtype':>8} {'M':>2} {'compile_s':>9} {'us/tick':>8} "
+    hdr += f"{'ticks/s':>10} {'ops/tick':>9} {'%peak':>6}"
+    lines = [hdr, "-" * len(hdr)]
+    for r in results:
+        lines.append(
+            f"{r['n_cells']:>5} {r['batch']:>6} {r['dtype']:>8} {r['substeps']:>2} "
+            f"{r['compile_s']:>9.1f} {r['us_per_scenario_tick']:>8.2f} "
+            f"{r['scenario_ticks_per_s']:>10.4g} {r['ops_per_scenario_tick']:>9} "
+            f"{100 * r['fraction_of_peak']:>6.2f}"
+        )
+    log("\n".join(lines))
+    log(f"total {meta['total_s']:.0f}s")
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.appb:
+        return main_appb(args)
     dtype = jnp.float32 if args.dtype == "float32" else jnp.float64
     t_all = time.perf_counter()
     K = args.K
@@ -425,7 +711,7 @@ def main(argv=None):
         "step_size": args.step_size,
         "n_save": args.n_save,
         "integrators": {
-            "fast": {"substeps": args.substeps},
+            "fast": {"substeps": "auto" if args.substeps is None else args.substeps},
             "accurate": {"rtol": args.rtol, "atol": args.atol},
         },
         "peer": "tests/reference.py::reference_simulate, scenario by scenario",

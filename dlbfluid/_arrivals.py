@@ -45,3 +45,17 @@ def rate_integral(times: Float[Array, " P"], rates: Float[Array, " P"], a, b):
     r_hi = rs + slope * (hi - ts)
     middle = jnp.sum(0.5 * (hi - lo) * (r_lo + r_hi), axis=-1)
     return left + middle + right
+
+
+def rate_slope(times: Float[Array, " P"], rates: Float[Array, " P"], t):
+    """$\\lambda'(t)$ for one profile (the slope of the linear piece containing `t`; 0 before
+    the first and after the last breakpoint); `t` may be any shape."""
+    t = jnp.asarray(t)
+    if times.shape[0] == 1:
+        return jnp.zeros_like(t)
+    ts, te = times[:-1], times[1:]
+    rs, re = rates[:-1], rates[1:]
+    span = te - ts
+    slope = jnp.where(span > 0, (re - rs) / jnp.where(span > 0, span, 1.0), 0.0)
+    inside = (lead(ts, t.ndim + 1) <= t[..., None]) & (t[..., None] < lead(te, t.ndim + 1))
+    return jnp.sum(jnp.where(inside, lead(slope, t.ndim + 1), 0.0), axis=-1)

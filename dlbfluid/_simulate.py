@@ -93,7 +93,18 @@ def _setup(scn, eta, h, hist: int) -> TickSetup:
     tau = jnp.where(scn.allowed, scn.latency, 0.0)
     m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)
     r = jnp.maximum(tau - m.astype(dtype) * h, 0.0)
-    return TickSetup(tau=tau, m=m, r=r, offsets=h - r, step=(eta * h).astype(dtype), h=h, hist=hist)
+    offsets = h - r
+    return TickSetup(
+        tau=tau,
+        m=m,
+        r=r,
+        offsets=offsets,
+        switch_order=jnp.argsort(r, axis=0),
+        obs_segment=jnp.sum(r[None, :, :] <= offsets[:, None, :], axis=1),
+        step=(eta * h).astype(dtype),
+        h=h,
+        hist=hist,
+    )
 
 
 def _init_state(scn, setup: TickSetup, aux, *, policy: AbstractPolicy) -> SimState:
@@ -132,7 +143,9 @@ def _profile_window(scn, t_lo, width: int):
         return scn
 
     def cut(ts, rs):
-        start = jnp.clip(jnp.searchsorted(ts, t_lo, side="right") - 1, 0, P - width)
+        start = jnp.clip(
+            jnp.searchsorted(ts, t_lo, side="right", method="compare_all") - 1, 0, P - width
+        )
         return (
             jax.lax.dynamic_slice_in_dim(ts, start, width),
             jax.lax.dynamic_slice_in_dim(rs, start, width),
@@ -170,31 +183,31 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     n = full.n_cells
     dtype = full.latency.dtype
     h, hist, tau, m = setup.h, setup.hist, setup.tau, setup.m
+    wrap = hist - 1  # (hist is a power of two: `& wrap` is `% hist`, negatives included)
     I, J = jnp.meshgrid(jnp.arange(n), jnp.arange(n), indexing="ij")
     tk = k.astype(dtype) * h
     # Only the breakpoints in [t_k - max tau, t_k + h] matter inside this tick.
     scn = _profile_window(full, tk - jnp.max(tau), window)
-    xprev = state.x_ring[(k - m - 1) % hist, I, J]
-    xcur = state.x_ring[(k - m) % hist, I, J]
+    xprev = state.x_ring[(k - m - 1) & wrap, I, J]
+    xcur = state.x_ring[(k - m) & wrap, I, J]
     # Replica changes take effect on the tick whose midpoint has passed them.
     c = _scale_at(scn, jnp.broadcast_to(tk + 0.5 * h, (n,)))
     out = integrator.tick(scn, setup, tk, state.N, xprev, xcur, c)
     lam_tick = arc_integrals(scn, jnp.full((n, 1), tk), jnp.full((n, 1), tk + h))[:, 0]
-    x_k = state.x_ring[k % hist]
+    x_k = state.x_ring[k & wrap]
     d_net = jnp.sum(2.0 * tau * x_k * lam_tick[:, None])
-    obs_ring = state.obs_ring.at[k % hist].set(out.observed)
-    # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = the observation of tick k - m_ij.
+    # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = the observation of tick k - m_ij
+    # (this tick's own for arcs with m_ij = 0; the ring is written once, below).
     t_next = tk + h
     obs = Observation(
         k=k,
         t=t_next,
-        workload=obs_ring[(k - m) % hist, I, J],
+        workload=jnp.where(m == 0, out.observed, state.obs_ring[(k - m) & wrap, I, J]),
         scale=_scale_at(scn, t_next - tau) if scn.replica_times.shape[-1] > 1 else None,
         drops=out.drops,
         arrivals=out.arrivals,
     )
     x_next, pstate = policy.update(scn, setup, state.policy_state, obs, aux)
-    x_ring = state.x_ring.at[(k + 1) % hist].set(x_next)
     t = state.totals
     totals = Totals(
         arrivals=t.arrivals + out.arrivals,
@@ -209,14 +222,25 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
         & jnp.all(jnp.isfinite(x_next))
         & jnp.all(jnp.isfinite(out.observed))
     )
+    # A workload below zero beyond rounding: the tick was integrated too coarsely.
+    negative = jnp.min(out.N) < -1e-12 * (1.0 + jnp.max(jnp.abs(out.N)))
     alive = state.status == RESULTS.success
-    status = jnp.where(alive, jnp.where(finite, out.status, RESULTS.nonfinite), state.status)
+    step_status = jnp.where(negative, RESULTS.negative_workload, out.status)
+    status = jnp.where(alive, jnp.where(finite, step_status, RESULTS.nonfinite), state.status)
     # A failed scenario freezes at its last good state instead of spreading NaNs.
-    keep = alive & finite & (out.status == RESULTS.success)
+    keep = alive & finite & (step_status == RESULTS.success)
     change = jnp.maximum(jnp.max(jnp.abs(out.N - state.N)), jnp.max(jnp.abs(x_next - x_k)))
-    new = SimState(out.N, x_ring, obs_ring, totals, pstate, status, change)
-    kept = tree_select(keep, new, state)
-    return dataclasses.replace(kept, status=status)
+    # The rings change in one slot each: freeze that slot only (a select over whole rings
+    # would cost hist times more than the tick's own writes).
+    slot_x, slot_o = (k + 1) & wrap, k & wrap
+    x_ring = state.x_ring.at[slot_x].set(jnp.where(keep, x_next, state.x_ring[slot_x]))
+    obs_ring = state.obs_ring.at[slot_o].set(jnp.where(keep, out.observed, state.obs_ring[slot_o]))
+    N, totals, pstate, change = tree_select(
+        keep,
+        (out.N, totals, pstate, change),
+        (state.N, state.totals, state.policy_state, state.change),
+    )
+    return SimState(N, x_ring, obs_ring, totals, pstate, status, change)
 
 
 def _run_ticks(scn, setup, state, k0, k1, aux, *, policy, integrator, window):
@@ -225,7 +249,7 @@ def _run_ticks(scn, setup, state, k0, k1, aux, *, policy, integrator, window):
     return jax.lax.fori_loop(k0, k1, lambda k, st: tick(scn, setup, st, k, aux), state)
 
 
-def _record(scn, setup: TickSetup, state: SimState, k):
+def _record(scn, setup: TickSetup, state: SimState, k, *, window: int):
     """The saved state at tick `k`, including the mass in flight on the network."""
     hist, h = setup.hist, setup.h
     dtype = scn.latency.dtype
@@ -235,12 +259,14 @@ def _record(scn, setup: TickSetup, state: SimState, k):
     q = k - 1 - jnp.arange(hist - 1)
     lo = jnp.maximum(q.astype(dtype)[:, None, None] * h, t - tau[None])
     hi = jnp.maximum((q.astype(dtype) + 1.0)[:, None, None] * h, lo)
-    flight = jnp.sum(state.x_ring[q % hist] * arc_integrals(scn, lo, hi))
+    # (the window of the tick just ended covers [t - max tau, t])
+    scn = _profile_window(scn, t - h - jnp.max(tau), window)
+    flight = jnp.sum(state.x_ring[q & (hist - 1)] * arc_integrals(scn, lo, hi))
     tot = state.totals
     return dict(
         t=t,
         N=state.N,
-        x=state.x_ring[k % hist],
+        x=state.x_ring[k & (hist - 1)],
         arrivals=tot.arrivals,
         departures=tot.departures,
         source_arrivals=tot.source_arrivals,
@@ -264,17 +290,24 @@ _simulate_batch = solver_jit(_simulate_batch_sharded, jit=eqx.filter_jit)
 
 
 def _simulate_batch_impl(
-    scn, eta, h, save_ticks, *, policy, integrator, hist, progress, horizon, window
+    scn, eta, h, save_ticks, *, policy, integrator, hist, progress, horizon, window, uniform
 ):
     setup = jax.vmap(lambda s, e, hh: _setup(s, e, hh, hist))(scn, eta, h)
     aux = jax.vmap(lambda s, hh: policy.prepare(s, hh, horizon))(scn, h)
     state0 = jax.vmap(lambda s, g, a: _init_state(s, g, a, policy=policy))(scn, setup, aux)
-    run = jax.vmap(
-        lambda s, g, st, a, b, x: _run_ticks(
-            s, g, st, a, b, x, policy=policy, integrator=integrator, window=window
-        )
-    )
-    rec = jax.vmap(_record)
+    kw = dict(policy=policy, integrator=integrator, window=window)
+    if uniform:
+        # Every scenario has the same ticks: the tick loop runs outside the vmap on scalar
+        # bounds. (With batched bounds, vmap turns the loop into one whose carry, ring
+        # buffers included, is selected element by element on every pass.)
+        def run(scn, setup, state, k0, k1, aux):
+            tick = jax.vmap(functools.partial(_tick, **kw), in_axes=(0, 0, 0, None, 0))
+            return jax.lax.fori_loop(
+                k0[0], k1[0], lambda k, st: tick(scn, setup, st, k, aux), state
+            )
+    else:
+        run = jax.vmap(lambda s, g, st, a, b, x: _run_ticks(s, g, st, a, b, x, **kw))
+    rec = jax.vmap(functools.partial(_record, window=window))
 
     def segment(state, ks):
         k0, k1 = ks
@@ -436,7 +469,7 @@ def simulate(
             lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), args
         )
     args = shard_batch(args)
-    integrator = integrator.prepared(dtype)
+    integrator = integrator.for_batch(scn, float(h_b.max())).prepared(dtype)
     looped = pol if error_aversion is None else ErrorAverse(pol, error_aversion)
     # (the progress callback runs once per segment on every device)
     prog = Progress("simulating", n_save * jax.device_count()) if progress else None
@@ -449,6 +482,7 @@ def simulate(
         policy=looped,
         integrator=integrator,
         hist=hist,
+        uniform=bool(np.all(save_ticks == save_ticks[:1])),
         progress=prog,
         # Only a policy that precomputes a schedule depends on the horizon at trace time.
         horizon=T if looped.uses_horizon else None,

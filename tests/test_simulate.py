@@ -42,6 +42,32 @@ def test_fast_path_matches_reference_and_is_second_order(three):
     assert slope <= -1.8, errs
 
 
+def test_coarse_tick_picks_substeps_or_reports_negative_workload():
+    """Two fast M/M/1 cells at low load with a 0.1 s tick: mu'(0) h = 4 is outside RK4's
+    stability interval. `Fast()` takes ceil(h max mu'(0) / 0.5) = ceil(0.1 * 40 / 0.5) = 8
+    steps per tick and matches the scipy reference; one step per tick oscillates below
+    zero, which is the status `negative_workload`, never a `success`."""
+    d = two_mm1(mu1=40.0, mu2=30.0, lam=5.0, tau=0.013)
+    s = dl.scenario_from_dict(d)
+    assert int(dl.Fast().steps_per_tick(s, 0.1, xp=np)) == 8
+    assert int(dl.Fast().steps_per_tick(s, 0.005, xp=np)) == 1
+    assert dl.Fast().for_batch(s, 0.1).max_substeps == 8
+    ref = reference_simulate(d, "flow-grad", step_size=0.3, tick=0.1, horizon=3.0)
+    kw = dict(step_size=0.3, tick=0.1, horizon=3.0, n_save=30, throw=False)
+    auto = dl.simulate(s, "flow-grad", **kw)
+    assert auto.status_names() == "success"
+    assert np.max(np.abs(np.asarray(auto.N) - ref["N"])) <= 2e-5
+    one = dl.simulate(s, "flow-grad", integrator=dl.Fast(1), **kw)
+    assert one.status_names() == "negative_workload"
+    # Each scenario takes its own steps: in a batch with these cells the three-cell network
+    # (one step per tick) gives what it gives alone.
+    t = dl.scenario_from_dict(THREE)
+    both = dl.simulate(dl.stack_scenarios([s, t]), "flow-grad", **kw)
+    alone = dl.simulate(t, "flow-grad", **kw)
+    np.testing.assert_allclose(both.N[1], alone.N, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(both.N[0, :, :2], auto.N, rtol=1e-12, atol=1e-12)
+
+
 def test_accurate_error_shrinks_with_tolerance(three):
     """With a long tick (1 s) the adaptive solver's error is visible: it falls about as
     fast as the tolerance (log-log slope in [0.8, 1.3]) and one compilation serves all."""

@@ -32,7 +32,7 @@ class ActiveSetPolish(AbstractStage):
 
     Near capacity the identified support can hold more arcs than the equality system can
     satisfy (cycles whose round-trip costs do not cancel); the proximal weight of arc
-    $(i,j)$ is then $\epsilon\tilde P_j + $ `damping` $|q_{ij}|/y_{ij}$, so such arcs move by
+    $(i,j)$ is then $\\epsilon\\tilde P_j + $ `damping` $|q_{ij}|/y_{ij}$, so such arcs move by
     about their own flow instead of by huge circulations (theory/equilibria.md §3.6).
 
     **Fields:** `iters` (24), `reg` (1e-9), `done` (1e-14), `retry` (1e-2), `damping` (1).

@@ -14,7 +14,6 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._arrivals import rate_integral
@@ -57,6 +56,11 @@ class AbstractIntegrator(eqx.Module):
         `setup` (`TickSetup`), workloads `N`, the routings `xprev`/`xcur` in force on each
         arc before/after its switch, and the replica fractions `c` (`(n,)`)."""
 
+    def for_batch(self, scn, tick: float) -> AbstractIntegrator:
+        """The integrator for a batch whose longest tick is `tick` (host side, before
+        compilation): e.g. a number of sub-steps chosen from the dynamics' time scale."""
+        return self
+
     def prepared(self, dtype) -> AbstractIntegrator:
         """The integrator as the compiled loop holds it (e.g. tolerances as arrays, so that a
         sweep of them reuses one compilation)."""
@@ -73,39 +77,3 @@ def scaled_rate(service, c):
     """$\\mu_j^{(c)}(N) = c_j\\,\\mu_j(N/c_j)$: a cell running $c_j k_j$ of its $k_j$ replicas
     with the load spread evenly (theory/evaluation.md, *Replicas*)."""
     return lambda N: like(c, N) * service.rate(N / like(c, N))
-
-
-def inflow_cumulative(scn, tk, s, tau, r, xprev, xcur):
-    """Inflow into each arc accumulated from $t_k$ to $t_k + s$; `s` has shape `(S,)`.
-
-    $\\int_{t_k}^{t_k+s}\\lambda_i(u-\\tau)x_{ij}(u-\\tau)du$ = `xprev` over $[0, \\min(s,r)]$
-    plus `xcur` over $[r, \\max(s, r)]$ (local time). Returns `(S, n, n)`.
-    """
-    base = (tk - tau)[None]  # (1, n, n)
-    s = s[:, None, None]
-    r = r[None]
-    lo1, hi1 = base, base + jnp.minimum(s, r)
-    lo2, hi2 = base + r, base + jnp.maximum(s, r)
-    lo1 = jnp.broadcast_to(lo1, hi1.shape)
-    lo2 = jnp.broadcast_to(lo2, hi2.shape)
-    return xprev[None] * arc_integrals(scn, lo1, hi1) + xcur[None] * arc_integrals(scn, lo2, hi2)
-
-
-def cell_inflow_between(scn, tk, s0, s1, tau, r, xprev, xcur):
-    """Inflow into cell $j$ over local times $[s0_{ij}, s1_{ij}]$ for every `(i, j)`.
-
-    Entry `[i, j]` sums the arcs $(i', j)$ over sources $i'$; shape `(n, n)` (work $n^3$).
-    """
-    base = (tk - tau)[None]  # (1, i', j)
-    r3 = r[None]
-    a, b = s0[:, None, :], s1[:, None, :]  # (i, 1, j)
-    xprev, xcur = xprev[None], xcur[None]
-
-    def cum(s):
-        lo1, hi1 = base, base + jnp.minimum(s, r3)
-        lo2, hi2 = base + r3, base + jnp.maximum(s, r3)
-        shape = jnp.broadcast_shapes(hi1.shape, hi2.shape)
-        lo1, hi1, lo2, hi2 = (jnp.broadcast_to(v, shape) for v in (lo1, hi1, lo2, hi2))
-        return xprev * arc_integrals(scn, lo1, hi1) + xcur * arc_integrals(scn, lo2, hi2)
-
-    return jnp.sum(cum(b) - cum(a), axis=1)

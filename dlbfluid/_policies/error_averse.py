@@ -71,7 +71,8 @@ class ErrorAverse(AbstractPolicy):
         x, inner = self.policy.update(scn, setup, state.inner, obs, aux)
         cfg = self.config
         ema = ema_update(cfg, state.ema, obs.drops, obs.arrivals, setup.h)
-        ring = state.ema_ring.at[obs.k % setup.hist].set(ema)
-        seen = ring[(obs.k - setup.m) % setup.hist, jnp.arange(scn.n_cells)[None, :]]
+        wrap = setup.hist - 1  # (a power of two)
+        ring = state.ema_ring.at[obs.k & wrap].set(ema)
+        seen = ring[(obs.k - setup.m) & wrap, jnp.arange(scn.n_cells)[None, :]]
         a = aversion_update(cfg, state.aversion, seen, scn.allowed, setup.h)
         return apply_aversion(x, a), AversionState(inner=inner, ema=ema, ema_ring=ring, aversion=a)
