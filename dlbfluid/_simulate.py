@@ -65,6 +65,7 @@ class SimState(eqx.Module):
 
     **Attributes:**
     - `N`: `(n,)` workloads $N(t_k)$.
+    - `x`: `(n, n)` the routing $x^k$ in force from $t_k$ (the last one sent).
     - `x_ring`: `(hist, n, n)` the routings sent, $x^q$ at slot $q \\bmod$ `hist`.
     - `obs_ring`: `(hist, n, n)` the observations made inside tick $q$,
       $N_j(t_q + h - r_{ij})$ at slot $q \\bmod$ `hist`.
@@ -75,6 +76,7 @@ class SimState(eqx.Module):
     """
 
     N: Float[Array, " n"]
+    x: Float[Array, "n n"]
     x_ring: Float[Array, "hist n n"]
     obs_ring: Float[Array, "hist n n"]
     totals: Totals
@@ -118,6 +120,7 @@ def _init_state(scn, setup: TickSetup, aux, *, policy: AbstractPolicy) -> SimSta
     totals = Totals(zeros, zeros, zeros, jnp.zeros((), dtype), jnp.zeros((), dtype), zeros)
     return SimState(
         N=N0,
+        x=x0,
         x_ring=jnp.broadcast_to(x0, (hist, n, n)),
         obs_ring=jnp.broadcast_to(N0[None, :], (hist, n, n)),
         totals=totals,
@@ -188,13 +191,17 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     tk = k.astype(dtype) * h
     # Only the breakpoints in [t_k - max tau, t_k + h] matter inside this tick.
     scn = _profile_window(full, tk - jnp.max(tau), window)
+    # The rings are read here only (the delayed routings and observations) and written once
+    # below; the routing in force is carried in the state. A read of a ring late in the tick
+    # would make XLA copy the whole ring every tick to write its slot in place.
     xprev = state.x_ring[(k - m - 1) & wrap, I, J]
     xcur = state.x_ring[(k - m) & wrap, I, J]
+    seen = state.obs_ring[(k - m) & wrap, I, J]
+    x_k = state.x
     # Replica changes take effect on the tick whose midpoint has passed them.
     c = _scale_at(scn, jnp.broadcast_to(tk + 0.5 * h, (n,)))
     out = integrator.tick(scn, setup, tk, state.N, xprev, xcur, c)
     lam_tick = arc_integrals(scn, jnp.full((n, 1), tk), jnp.full((n, 1), tk + h))[:, 0]
-    x_k = state.x_ring[k & wrap]
     d_net = jnp.sum(2.0 * tau * x_k * lam_tick[:, None])
     # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = the observation of tick k - m_ij
     # (this tick's own for arcs with m_ij = 0; the ring is written once, below).
@@ -202,7 +209,7 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     obs = Observation(
         k=k,
         t=t_next,
-        workload=jnp.where(m == 0, out.observed, state.obs_ring[(k - m) & wrap, I, J]),
+        workload=jnp.where(m == 0, out.observed, seen),
         scale=_scale_at(scn, t_next - tau) if scn.replica_times.shape[-1] > 1 else None,
         drops=out.drops,
         arrivals=out.arrivals,
@@ -230,17 +237,16 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     # A failed scenario freezes at its last good state instead of spreading NaNs.
     keep = alive & finite & (step_status == RESULTS.success)
     change = jnp.maximum(jnp.max(jnp.abs(out.N - state.N)), jnp.max(jnp.abs(x_next - x_k)))
-    # The rings change in one slot each: freeze that slot only (a select over whole rings
-    # would cost hist times more than the tick's own writes).
-    slot_x, slot_o = (k + 1) & wrap, k & wrap
-    x_ring = state.x_ring.at[slot_x].set(jnp.where(keep, x_next, state.x_ring[slot_x]))
-    obs_ring = state.obs_ring.at[slot_o].set(jnp.where(keep, out.observed, state.obs_ring[slot_o]))
-    N, totals, pstate, change = tree_select(
+    # The rings change in one slot each (a select over whole rings would cost hist times
+    # more than the tick's own writes); a frozen scenario keeps sending its last routing.
+    N, x, totals, pstate, change = tree_select(
         keep,
-        (out.N, totals, pstate, change),
-        (state.N, state.totals, state.policy_state, state.change),
+        (out.N, x_next, totals, pstate, change),
+        (state.N, x_k, state.totals, state.policy_state, state.change),
     )
-    return SimState(N, x_ring, obs_ring, totals, pstate, status, change)
+    x_ring = state.x_ring.at[(k + 1) & wrap].set(x)
+    obs_ring = state.obs_ring.at[k & wrap].set(jnp.where(keep, out.observed, 0.0))
+    return SimState(N, x, x_ring, obs_ring, totals, pstate, status, change)
 
 
 def _run_ticks(scn, setup, state, k0, k1, aux, *, policy, integrator, window):
@@ -266,7 +272,7 @@ def _record(scn, setup: TickSetup, state: SimState, k, *, window: int):
     return dict(
         t=t,
         N=state.N,
-        x=state.x_ring[k & (hist - 1)],
+        x=state.x,
         arrivals=tot.arrivals,
         departures=tot.departures,
         source_arrivals=tot.source_arrivals,
