@@ -49,7 +49,9 @@ class Totals(eqx.Module):
     **Fields:** `arrivals`, `departures`, `source_arrivals`, `drops` (`(n,)`: inflow into,
     service out of, arrivals at the root routers of, and flow dropped by each cell);
     `workload_integral` $\\int_0^t\\sum_jN_j$; `network_integral`
-    $\\int_0^t\\sum_{ij}2\\tau_{ij}\\lambda_ix_{ij}$.
+    $\\int_0^t\\sum_{ij}2\\tau_{ij}\\lambda_ix_{ij}$. Always float64: a float32 sum of
+    $10^5$ equal increments drifts by $10^{-3}$ relative (every addition rounds the same
+    way); the record rounds them once to the run's dtype.
     """
 
     arrivals: Float[Array, " n"]
@@ -116,8 +118,8 @@ def _init_state(scn, setup: TickSetup, aux, *, policy: AbstractPolicy) -> SimSta
     dtype = scn.latency.dtype
     x0 = policy.initial_routing(scn, aux).astype(dtype)
     N0 = scn.initial_workload.astype(dtype)
-    zeros = jnp.zeros(n, dtype)
-    totals = Totals(zeros, zeros, zeros, jnp.zeros((), dtype), jnp.zeros((), dtype), zeros)
+    z64 = jnp.zeros(n, jnp.float64)
+    totals = Totals(z64, z64, z64, jnp.zeros((), jnp.float64), jnp.zeros((), jnp.float64), z64)
     return SimState(
         N=N0,
         x=x0,
@@ -137,6 +139,20 @@ def _scale_at(scn, t):
     )
 
 
+def _local(scn, t0):
+    """The scenario with its clock started at `t0` (float64): every breakpoint time less
+    `t0`, the difference taken in float64 and rounded once to the scenario's dtype, so
+    that times near `t0` keep their full relative precision."""
+    dtype = scn.arrival_times.dtype
+
+    def shift(ts):
+        return (ts.astype(jnp.float64) - t0).astype(dtype)
+
+    return dataclasses.replace(
+        scn, arrival_times=shift(scn.arrival_times), replica_times=shift(scn.replica_times)
+    )
+
+
 def _profile_window(scn, t_lo, width: int):
     """The scenario with each arrival profile cut to the `width` breakpoints starting at the
     last one at or before `t_lo`: exact for every integral inside `[t_lo, t_lo + span]` when
@@ -146,9 +162,8 @@ def _profile_window(scn, t_lo, width: int):
         return scn
 
     def cut(ts, rs):
-        start = jnp.clip(
-            jnp.searchsorted(ts, t_lo, side="right", method="compare_all") - 1, 0, P - width
-        )
+        found = jnp.searchsorted(ts.astype(t_lo.dtype), t_lo, side="right", method="compare_all")
+        start = jnp.clip(found - 1, 0, P - width)
         return (
             jax.lax.dynamic_slice_in_dim(ts, start, width),
             jax.lax.dynamic_slice_in_dim(rs, start, width),
@@ -188,9 +203,14 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     h, hist, tau, m = setup.h, setup.hist, setup.tau, setup.m
     wrap = hist - 1  # (hist is a power of two: `& wrap` is `% hist`, negatives included)
     I, J = jnp.meshgrid(jnp.arange(n), jnp.arange(n), indexing="ij")
-    tk = k.astype(dtype) * h
+    # Time in float64 whatever the dtype, and inside the tick relative to t_k (`_local`):
+    # in float32, t_k = k h itself is off by up to half a spacing (6e-5 s at 600 s), and so
+    # would be the length of every tick's arrival integral, with the same sign for long runs.
+    tk64 = k.astype(jnp.float64) * h.astype(jnp.float64)
     # Only the breakpoints in [t_k - max tau, t_k + h] matter inside this tick.
-    scn = _profile_window(full, tk - jnp.max(tau), window)
+    scn = _profile_window(full, tk64 - jnp.max(tau).astype(jnp.float64), window)
+    loc = _local(scn, tk64)
+    zero = jnp.zeros((), dtype)
     # The rings are read here only (the delayed routings and observations) and written once
     # below; the routing in force is carried in the state. A read of a ring late in the tick
     # would make XLA copy the whole ring every tick to write its slot in place.
@@ -199,18 +219,18 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     seen = state.obs_ring[(k - m) & wrap, I, J]
     x_k = state.x
     # Replica changes take effect on the tick whose midpoint has passed them.
-    c = _scale_at(scn, jnp.broadcast_to(tk + 0.5 * h, (n,)))
-    out = integrator.tick(scn, setup, tk, state.N, xprev, xcur, c)
-    lam_tick = arc_integrals(scn, jnp.full((n, 1), tk), jnp.full((n, 1), tk + h))[:, 0]
+    c = _scale_at(loc, jnp.broadcast_to(0.5 * h, (n,)))
+    out = integrator.tick(loc, setup, zero, state.N, xprev, xcur, c)
+    lam_tick = arc_integrals(loc, jnp.zeros((n, 1), dtype), jnp.full((n, 1), h))[:, 0]
     d_net = jnp.sum(2.0 * tau * x_k * lam_tick[:, None])
     # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = the observation of tick k - m_ij
     # (this tick's own for arcs with m_ij = 0; the ring is written once, below).
-    t_next = tk + h
+    t_next = (tk64 + h.astype(jnp.float64)).astype(dtype)
     obs = Observation(
         k=k,
         t=t_next,
         workload=jnp.where(m == 0, out.observed, seen),
-        scale=_scale_at(scn, t_next - tau) if scn.replica_times.shape[-1] > 1 else None,
+        scale=_scale_at(loc, h - tau) if scn.replica_times.shape[-1] > 1 else None,
         drops=out.drops,
         arrivals=out.arrivals,
     )
@@ -260,15 +280,18 @@ def _record(scn, setup: TickSetup, state: SimState, k, *, window: int):
     hist, h = setup.hist, setup.h
     dtype = scn.latency.dtype
     tau = setup.tau
-    t = k.astype(dtype) * h
-    # F(t_k) = sum_ij int_{t_k - tau_ij}^{t_k} lambda_i(s) x_ij(s) ds over the past ticks.
+    t64 = k.astype(jnp.float64) * h.astype(jnp.float64)
+    t = t64.astype(dtype)
+    # F(t_k) = sum_ij int_{t_k - tau_ij}^{t_k} lambda_i(s) x_ij(s) ds over the past ticks,
+    # in time relative to t_k (see `_tick`).
+    back = (jnp.arange(hist - 1) + 1).astype(dtype)[:, None, None]  # ticks before t_k
+    lo = jnp.maximum(-back * h, -tau[None])
+    hi = jnp.maximum((1.0 - back) * h, lo)
     q = k - 1 - jnp.arange(hist - 1)
-    lo = jnp.maximum(q.astype(dtype)[:, None, None] * h, t - tau[None])
-    hi = jnp.maximum((q.astype(dtype) + 1.0)[:, None, None] * h, lo)
     # (the window of the tick just ended covers [t - max tau, t])
-    scn = _profile_window(scn, t - h - jnp.max(tau), window)
-    flight = jnp.sum(state.x_ring[q & (hist - 1)] * arc_integrals(scn, lo, hi))
-    tot = state.totals
+    scn = _profile_window(scn, t64 - (h + jnp.max(tau)).astype(jnp.float64), window)
+    flight = jnp.sum(state.x_ring[q & (hist - 1)] * arc_integrals(_local(scn, t64), lo, hi))
+    tot = jax.tree_util.tree_map(lambda a: a.astype(dtype), state.totals)
     return dict(
         t=t,
         N=state.N,
