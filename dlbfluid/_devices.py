@@ -1,4 +1,9 @@
-"""Placing a batch on every available device, and compiling for it."""
+"""Placing a batch on every device of this process, and compiling for it.
+
+In a run across processes (`dlbfluid._distributed`) each process computes its own share
+of the scenarios, so a batch is placed on this process's devices only
+(`jax.local_devices()`, all devices in a one-process run): no array spans processes.
+"""
 
 from __future__ import annotations
 
@@ -45,16 +50,17 @@ def solver_jit(fn, *, jit=jax.jit, **jit_kwargs):
 
 
 def _batch_mesh():
-    return jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+    return jax.sharding.Mesh(np.array(jax.local_devices()), ("batch",))
 
 
 def shard_batch(tree):
-    """Split the leading (batch) axis of every array in `tree` over all devices.
+    """Split the leading (batch) axis of every array in `tree` over this process's devices.
 
-    The batch must already be padded to a multiple of `jax.device_count()`; with one device
-    the tree is returned unchanged. Jitted code then runs each shard where it lives.
+    The batch must already be padded to a multiple of `jax.local_device_count()` (a
+    multiple of `jax.device_count()` is one); with one device the tree is returned
+    unchanged. Jitted code then runs each shard where it lives.
     """
-    if jax.device_count() == 1:
+    if jax.local_device_count() == 1:
         return tree
     spec = jax.sharding.NamedSharding(_batch_mesh(), jax.sharding.PartitionSpec("batch"))
     return jax.device_put(tree, spec)
@@ -69,9 +75,10 @@ def per_device(fn):
     every pass, and every device then runs until the slowest scenario of the whole batch
     is done. Mapped per device, each shard runs its own loops, with no communication, to
     its own slowest scenario. With one device `fn` is returned unchanged. Call the result
-    inside `jit`, on arguments padded to a multiple of `jax.device_count()`.
+    inside `jit`, on arguments padded to a multiple of `jax.local_device_count()` (the
+    devices of this process, `shard_batch`).
     """
-    if jax.device_count() == 1:
+    if jax.local_device_count() == 1:
         return fn
     spec = jax.sharding.PartitionSpec("batch")
     return jax.shard_map(fn, mesh=_batch_mesh(), in_specs=spec, out_specs=spec, check_vma=False)

@@ -20,9 +20,12 @@ import math
 import os
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from ._aversion import ErrorAversion
+from ._distributed import Processes
+from ._integrators import Fast
 from ._policies import MNLB, FlowRouting, policy_from_name
 from ._progress import Progress
 from ._registry import BUILTIN_POLICIES
@@ -218,18 +221,29 @@ def _cells(service, n):
     return jax.tree_util.tree_map(lambda a: a[:n], service)
 
 
-def _step_sizes(cfg: ExperimentConfig, nominal, policy: str) -> np.ndarray:
+def _step_sizes(
+    cfg: ExperimentConfig, nominal, policy: str, procs: Processes | None = None
+) -> np.ndarray:
     """$\\eta = $ `step_fraction` $\\cdot \\eta^*$ per scenario, from the linearisation at
     the nominal scenario's equilibrium (theory/stability.md). The paper takes the step
     inversely proportional to the mean network latency; $\\eta^*$ scales that way and also
     accounts for each cell's cost slope. A scenario whose $\\eta^*$ cannot be computed
-    takes the median of the others."""
+    takes the median of the others.
+
+    Every process solves the equilibria of the whole batch (one batched solve, as in a
+    one-process run) and computes $\\eta^*$ for its share of the scenarios; all of them
+    then take the median of all."""
     from ._equilibrium import solve_equilibrium
     from ._verify import _thresholds
 
+    procs = Processes() if procs is None else procs
     pol = policy_from_name(policy)
     eq = solve_equilibrium(stack_scenarios(nominal), pol.cost)
-    etas = _thresholds(nominal, policy, 24, eq)
+    part = procs.share(len(nominal))
+    whole = len(part) == len(nominal)
+    eq_part = eq if whole else jax.tree_util.tree_map(lambda a: a[part.start : part.stop], eq)
+    mine = _thresholds(nominal[part.start : part.stop], policy, 24, eq_part)
+    etas = [e for share in procs.allgather(mine, "experiment/eta") for e in share]
     good = [e for e in etas if e is not None and math.isfinite(e) and e > 0]
     fill = float(np.median(good)) if good else 1.0
     return cfg.step_fraction * np.array([fill if e is None else e for e in etas])
@@ -384,45 +398,59 @@ def plot_summary(summary: list[dict], path, title: str = "") -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False) -> dict:
+def run_experiment(
+    config: ExperimentConfig,
+    out_dir,
+    *,
+    progress: bool = False,
+    processes: Processes | None = None,
+) -> dict | None:
     """Run (or resume) an experiment into `out_dir`; returns the summary.
 
     Files: `config.json` (the `ExperimentConfig`; a different one in the same directory is
     an error), `results.csv` (one row per variant, policy, scenario and trial; columns
     `FIELDS`), `summary.csv` and `summary.json` (`summarise`), `<experiment>.png`
     (`plot_summary`).
+
+    `processes`: the processes sharing the run (`dlbfluid._distributed`, the command
+    line's `--coordinator`...; default this one alone). Every process calls
+    `run_experiment` with the same arguments and simulates its contiguous share of the
+    scenarios (all their trials) of every `(variant, policy)` batch; the batch-wide
+    choices (the integrator's sub-steps, the median step size) are made on the whole
+    batch. Process 0 alone reads and writes `out_dir`, appending each batch's rows in a
+    one-process run's order, shows progress and returns the summary (the others return
+    `None`).
     """
     cfg = config
+    procs = Processes() if processes is None else processes
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cpath = out / "config.json"
-    if cpath.exists():
-        old = json.loads(cpath.read_text())
-        if old != cfg.to_json():
-            diff = {k: (old.get(k), v) for k, v in cfg.to_json().items() if old.get(k) != v}
-            raise ValueError(
-                f"out = {str(out)!r} is invalid: it holds a different experiment "
-                f"(changed: {diff}); resume with the same options or choose a new --out"
-            )
-    else:
-        cpath.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
     rpath = out / "results.csv"
     expected = cfg.scenarios * cfg.trials
-    rows = _read_rows(rpath)
-    done = _complete_units(rows, expected)
-    kept = [r for unit in done.values() for r in unit]
-    if len(kept) != len(rows) or not rpath.exists():
-        _rewrite(rpath, kept)  # drop a torn unit (and write the header of a new file)
+    state: dict | None = None
+    if procs.main:
+        try:
+            done = _open_results(cfg, out)
+        except ValueError as e:  # (told to every process: none starts)
+            state = {"error": str(e)}
+        else:
+            state = {"done": [list(unit) for unit in done]}
+    state = procs.broadcast(state, "experiment/start")
+    assert state is not None
+    if "error" in state:
+        raise ValueError(state["error"])
+    finished = {tuple(unit) for unit in state["done"]}
     variants = _variants(cfg.experiment)
     order = ["rand"] + [p for p in cfg.policies if p != "rand"]
     units = [(v, o, p) for v, o in variants for p in order]
-    bar = Progress("experiment", len(units), enabled=progress, unit="units")
-    ndone = sum((v, p) in done for v, _, p in units)
+    bar = Progress("experiment", len(units), enabled=progress and procs.main, unit="units")
+    ndone = sum((v, p) in finished for v, _, p in units)
     bar.update(ndone, start=ndone)
     aversion = ErrorAversion() if cfg.error_aversion else None
+    part = procs.share(cfg.scenarios)
+    rows_part = range(part.start * cfg.trials, part.stop * cfg.trials)
     cache: dict = {}
     for v, opts, p in units:
-        if (v, p) in done:
+        if (v, p) in finished:
             continue
         if cache.get("variant") != v:
             cache = {"variant": v, "batch": _variant_batch(cfg, opts)}
@@ -432,40 +460,52 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
             pol = MNLB(update_period=cfg.mnlb_period, utilisation_cap=cfg.mnlb_cap)
         flow = isinstance(pol, FlowRouting)
         if flow:
-            eta_s = _step_sizes(cfg, nominal, p)
+            eta_s = _step_sizes(cfg, nominal, p, procs)
         else:
             eta_s = np.ones(cfg.scenarios)
         eta = np.repeat(eta_s, cfg.trials)
         bar.update(ndone, f"{v} {p}")
-        sol = _simulate_unit(cfg, batch, pol, eta, aversion)
-        lat = np.asarray(sol.mean_latency(window=1.0))
-        err = np.asarray(sol.error_rate(window=1.0))
-        status = sol.status_names()
-        n_cells = np.asarray(batch.cell_mask).sum(axis=-1)
         new = []
-        for k in range(expected):
-            s, t = divmod(k, cfg.trials)
-            # A "success" with a non-finite latency (e.g. nothing served) is reported as such.
-            state = status[k] if status[k] != "success" or math.isfinite(lat[k]) else "nonfinite"
-            ok = state == "success"
-            new.append(
-                {
-                    "experiment": cfg.experiment,
-                    "variant": v,
-                    "policy": p,
-                    "scenario": s,
-                    "trial": t,
-                    "n_cells": int(n_cells[k]),
-                    "utilisation": f"{util[s]:.6g}",
-                    "step_size": f"{eta[k]:.6g}" if flow else "",
-                    "mean_latency": f"{lat[k]:.10g}" if ok else "",
-                    "error_rate": f"{err[k]:.10g}" if ok else "",
-                    "status": state,
-                }
-            )
-        _append(rpath, new)
+        if len(rows_part):
+            # The sub-steps are chosen for the whole batch, as a one-process run does.
+            integrator = Fast().for_batch(batch, cfg.tick)
+            lo, hi = rows_part.start, rows_part.stop
+            whole = (lo, hi) == (0, expected)
+            mine = batch if whole else jax.tree_util.tree_map(lambda a: a[lo:hi], batch)
+            sol = _simulate_unit(cfg, mine, pol, eta[lo:hi], aversion, integrator)
+            lat = np.asarray(sol.mean_latency(window=1.0))
+            err = np.asarray(sol.error_rate(window=1.0))
+            status = sol.status_names()
+            n_cells = np.asarray(batch.cell_mask).sum(axis=-1)
+            for b, k in enumerate(rows_part):
+                s, t = divmod(k, cfg.trials)
+                # A "success" with a non-finite latency (e.g. nothing served) is reported
+                # as such.
+                ok_lat = status[b] != "success" or math.isfinite(lat[b])
+                state_k = status[b] if ok_lat else "nonfinite"
+                ok = state_k == "success"
+                new.append(
+                    {
+                        "experiment": cfg.experiment,
+                        "variant": v,
+                        "policy": p,
+                        "scenario": s,
+                        "trial": t,
+                        "n_cells": int(n_cells[k]),
+                        "utilisation": f"{util[s]:.6g}",
+                        "step_size": f"{eta[k]:.6g}" if flow else "",
+                        "mean_latency": f"{lat[b]:.10g}" if ok else "",
+                        "error_rate": f"{err[b]:.10g}" if ok else "",
+                        "status": state_k,
+                    }
+                )
+        shares = procs.gather(new, "experiment/rows")
+        if shares is not None:
+            _append(rpath, [row for share in shares for row in share])
         ndone += 1
         bar.update(ndone, f"{v} {p}")
+    if not procs.main:
+        return None
     rows = _read_rows(rpath)
     summary = summarise(rows, order)
     with open(out / "summary.csv", "w", newline="") as f:
@@ -484,7 +524,32 @@ def run_experiment(config: ExperimentConfig, out_dir, *, progress: bool = False)
     return result
 
 
-def _simulate_unit(cfg, batch, pol, eta, aversion):
+def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], list[dict]]:
+    """Create or check `out` (`config.json`), drop a torn unit from `results.csv`, and
+    return the complete units already there."""
+    out.mkdir(parents=True, exist_ok=True)
+    cpath = out / "config.json"
+    if cpath.exists():
+        old = json.loads(cpath.read_text())
+        if old != cfg.to_json():
+            diff = {k: (old.get(k), v) for k, v in cfg.to_json().items() if old.get(k) != v}
+            raise ValueError(
+                f"out = {str(out)!r} is invalid: it holds a different experiment "
+                f"(changed: {diff}); resume with the same options or choose a new --out"
+            )
+    else:
+        cpath.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    rpath = out / "results.csv"
+    rows = _read_rows(rpath)
+    done = _complete_units(rows, cfg.scenarios * cfg.trials)
+    kept = [r for unit in done.values() for r in unit]
+    torn = rpath.exists() and not rpath.read_text().endswith("\n")  # a half-written line
+    if len(kept) != len(rows) or torn or not rpath.exists():
+        _rewrite(rpath, kept)  # drop a torn unit (and write the header of a new file)
+    return done
+
+
+def _simulate_unit(cfg, batch, pol, eta, aversion, integrator):
     from ._simulate import simulate
 
     return simulate(
@@ -494,6 +559,7 @@ def _simulate_unit(cfg, batch, pol, eta, aversion):
         tick=cfg.tick,
         horizon=cfg.horizon,
         n_save=10,
+        integrator=integrator,
         error_aversion=aversion,
         throw=False,
     )

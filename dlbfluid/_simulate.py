@@ -484,7 +484,7 @@ def simulate(
     )
 
     # Shard the batch over every device; pad the batch to a multiple of the device count.
-    ndev = jax.device_count()
+    ndev = jax.local_device_count()
     pad = (-Bb) % ndev
     args = (
         scn,
@@ -501,7 +501,7 @@ def simulate(
     integrator = integrator.for_batch(scn, float(h_b.max())).prepared(dtype)
     looped = pol if error_aversion is None else ErrorAverse(pol, error_aversion)
     # (the progress callback runs once per segment on every device)
-    prog = Progress("simulating", n_save * jax.device_count()) if progress else None
+    prog = Progress("simulating", n_save * jax.local_device_count()) if progress else None
     scn_a, eta_a, h_a, _, st_a = args
     rec, status, change = _simulate_batch(
         scn_a,

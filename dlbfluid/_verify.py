@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._distributed import Processes
 from ._progress import Progress
 from ._registry import flow_policy_names
 from ._scenario import check_capacity, scenario_from_dict, stack_scenarios
@@ -173,7 +174,8 @@ def verify(
     progress: bool | Callable = False,
     policies=None,
     draw: Callable[[int, int], dict] | None = None,
-) -> dict:
+    processes: Processes | None = None,
+) -> dict | None:
     """Verify Theorem 1 on `n_scenarios` random scenarios; returns the summary dict.
 
     `policies`: the flow policies to run (default: every registered one). `draw`: a
@@ -186,11 +188,14 @@ def verify(
     $\\eta/\\eta^* = $ `step_fraction` unless $\\eta^*$ is unavailable (then $\\eta = 0.05$ and
     the ratio is null). A scenario has converged when
     $\\max_j|N_j(T)-N_j^*| \\le$ `conv_tol` $\\max(1, \\max_j N_j^*)$ and its run succeeded.
-    """
-    from ._equilibrium import solve_equilibrium
-    from ._lyapunov import batch_diagnostics
-    from ._simulate import simulate
 
+    `processes`: the processes sharing the run (`dlbfluid._distributed`, the command
+    line's `--coordinator`...; default this one alone). Every process calls `verify` with
+    the same arguments and computes whole chunks; process 0 alone reads and writes
+    `out_dir`, shows progress and returns the summary (the others return `None`), equal
+    to a one-process run's.
+    """
+    procs = Processes() if processes is None else processes
     for name, v, ok in (
         ("n_scenarios", n_scenarios, isinstance(n_scenarios, int) and n_scenarios >= 1),
         ("chunk", chunk, isinstance(chunk, int) and chunk >= 1),
@@ -203,16 +208,19 @@ def verify(
         raise ValueError(f"horizon = {horizon} is not a whole number of ticks of {tick}")
     path = None
     done: dict[int, dict] = {}
-    if out_dir is not None:
+    if out_dir is not None and procs.main:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "results.jsonl"
         done = _read_done(path)
-    todo = [i for i in range(n_scenarios) if i not in done]
+    # (process 0 alone reads the results file: the others learn from it what is left)
+    todo = procs.broadcast([i for i in range(n_scenarios) if i not in done], "verify/todo")
     pols = flow_policies(policies)
     source = (lambda sd, i: draw_scenario(sd, i, n_cells=n_cells)) if draw is None else draw
     t_start = time.perf_counter()
-    if callable(progress):
+    if not procs.main:
+        report = None
+    elif callable(progress):
         report = progress
     elif progress:
         bar = Progress("verifying", n_scenarios, unit="scenarios")
@@ -221,80 +229,24 @@ def verify(
         report = None
     if report:
         report(len(done), n_scenarios, t_start)
-    for c0 in range(0, len(todo), chunk):
-        idx = todo[c0 : c0 + chunk]
-        dicts = [source(seed, i) for i in idx]
-        scns = [
-            scenario_from_dict({k: v for k, v in d.items() if k not in ("index", "utilisation")})
-            for d in dicts
-        ]
-        # Pad the chunk to a fixed batch and cell count: one compilation serves all chunks.
-        fill = scns + [scns[-1]] * (chunk - len(scns))
-        batch = stack_scenarios(fill, n_cells=max([n_cells[1]] + [s.n_cells for s in scns]))
-        recs = [
-            {
-                "index": i,
-                "n_cells": s.n_cells,
-                "utilisation": d.get("utilisation", _utilisation(s)),
-                "policies": {},
-            }
-            for i, s, d in zip(idx, scns, dicts)
-        ]
-        for pol, cost in pols:
-            eq = solve_equilibrium(batch, cost, throw=False, check=False)
-            eta_star = _thresholds(scns, pol, nodes, eq)
-            eta_fill = [
-                e * step_fraction if e is not None and math.isfinite(e) else 0.05 for e in eta_star
-            ]
-            eta_fill += [eta_fill[-1]] * (chunk - len(eta_fill))
-            eta = np.asarray(eta_fill)
-            sol = simulate(
-                batch,
-                pol,
-                step_size=eta[:, None],
-                tick=tick,
-                horizon=horizon,
-                n_save=K,
-                throw=False,
+    chunks = [todo[c0 : c0 + chunk] for c0 in range(0, len(todo), chunk)]
+    # Each process computes whole chunks, the next `procs.count` of them at a time (one
+    # each), so every scenario is computed in the chunk a one-process run gives it, and
+    # the results file grows in the same order.
+    for r0 in range(0, len(chunks), procs.count):
+        batch = chunks[r0 : r0 + procs.count]
+        mine = [
+            rec
+            for k in procs.share(len(batch))
+            for rec in _chunk_records(
+                batch[k], seed, source, pols, chunk, n_cells, tick, horizon, K,
+                step_fraction, conv_tol, nodes,
             )
-            d = batch_diagnostics(
-                cost,
-                batch.strip(),
-                eq.N,
-                eq.x,
-                jnp.broadcast_to(jnp.asarray(eta)[:, None], (chunk, batch.n_cells)),
-                jnp.full(chunk, tick),
-                sol.t,
-                sol.N,
-                sol.x,
-            )
-            tad = np.asarray(d.time_average_distance[:, -1])
-            Nf = np.asarray(sol.N[:, -1])
-            Ns = np.asarray(eq.N)
-            osc = np.asarray(sol.oscillation())
-            st = sol.status_names()
-            eqst = eq.status_names()
-            for b, rec in enumerate(recs):
-                n = rec["n_cells"]
-                dist = float(np.max(np.abs(Nf[b, :n] - Ns[b, :n])))
-                scale = max(1.0, float(np.max(Ns[b, :n])))
-                es = eta_star[b]
-                rec["policies"][pol] = {
-                    "step_size": float(eta[b]),
-                    "critical_step_size": None
-                    if es is None or not math.isfinite(es)
-                    else float(es),
-                    "eta_over_eta_star": None
-                    if es is None or not math.isfinite(es)
-                    else float(eta[b] / es),
-                    "time_average_distance": float(tad[b]),
-                    "final_distance": dist,
-                    "oscillation": float(osc[b]),
-                    "converged": bool(dist <= conv_tol * scale and st[b] == "success"),
-                    "status": str(st[b]),
-                    "equilibrium_status": str(eqst[b]),
-                    "kkt_residual": float(np.asarray(eq.kkt_residual)[b]),
-                }
+        ]  # fmt: skip
+        shares = procs.gather(mine, "verify/chunk")
+        if shares is None:
+            continue
+        recs = [rec for share in shares for rec in share]
         if path is not None:
             with open(path, "a") as fh:
                 for rec in recs:
@@ -305,6 +257,8 @@ def verify(
             done[rec["index"]] = rec
         if report:
             report(len(done), n_scenarios, t_start)
+    if not procs.main:
+        return None
     records = [done[i] for i in range(n_scenarios)]
     summary = summarise(records)
     summary.update(
@@ -320,6 +274,87 @@ def verify(
         (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["records"] = records
     return summary
+
+
+def _chunk_records(
+    idx, seed, source, pols, chunk, n_cells, tick, horizon, K, step_fraction, conv_tol, nodes
+) -> list[dict]:
+    """The records of the scenarios `idx` (at most `chunk`), computed as one batch."""
+    from ._equilibrium import solve_equilibrium
+    from ._lyapunov import batch_diagnostics
+    from ._simulate import simulate
+
+    dicts = [source(seed, i) for i in idx]
+    scns = [
+        scenario_from_dict({k: v for k, v in d.items() if k not in ("index", "utilisation")})
+        for d in dicts
+    ]
+    # Pad the chunk to a fixed batch and cell count: one compilation serves all chunks.
+    fill = scns + [scns[-1]] * (chunk - len(scns))
+    batch = stack_scenarios(fill, n_cells=max([n_cells[1]] + [s.n_cells for s in scns]))
+    recs = [
+        {
+            "index": i,
+            "n_cells": s.n_cells,
+            "utilisation": d.get("utilisation", _utilisation(s)),
+            "policies": {},
+        }
+        for i, s, d in zip(idx, scns, dicts)
+    ]
+    for pol, cost in pols:
+        eq = solve_equilibrium(batch, cost, throw=False, check=False)
+        eta_star = _thresholds(scns, pol, nodes, eq)
+        eta_fill = [
+            e * step_fraction if e is not None and math.isfinite(e) else 0.05 for e in eta_star
+        ]
+        eta_fill += [eta_fill[-1]] * (chunk - len(eta_fill))
+        eta = np.asarray(eta_fill)
+        sol = simulate(
+            batch,
+            pol,
+            step_size=eta[:, None],
+            tick=tick,
+            horizon=horizon,
+            n_save=K,
+            throw=False,
+        )
+        d = batch_diagnostics(
+            cost,
+            batch.strip(),
+            eq.N,
+            eq.x,
+            jnp.broadcast_to(jnp.asarray(eta)[:, None], (chunk, batch.n_cells)),
+            jnp.full(chunk, tick),
+            sol.t,
+            sol.N,
+            sol.x,
+        )
+        tad = np.asarray(d.time_average_distance[:, -1])
+        Nf = np.asarray(sol.N[:, -1])
+        Ns = np.asarray(eq.N)
+        osc = np.asarray(sol.oscillation())
+        st = sol.status_names()
+        eqst = eq.status_names()
+        for b, rec in enumerate(recs):
+            n = rec["n_cells"]
+            dist = float(np.max(np.abs(Nf[b, :n] - Ns[b, :n])))
+            scale = max(1.0, float(np.max(Ns[b, :n])))
+            es = eta_star[b]
+            rec["policies"][pol] = {
+                "step_size": float(eta[b]),
+                "critical_step_size": None if es is None or not math.isfinite(es) else float(es),
+                "eta_over_eta_star": None
+                if es is None or not math.isfinite(es)
+                else float(eta[b] / es),
+                "time_average_distance": float(tad[b]),
+                "final_distance": dist,
+                "oscillation": float(osc[b]),
+                "converged": bool(dist <= conv_tol * scale and st[b] == "success"),
+                "status": str(st[b]),
+                "equilibrium_status": str(eqst[b]),
+                "kkt_residual": float(np.asarray(eq.kkt_residual)[b]),
+            }
+    return recs
 
 
 def _utilisation(scn) -> float:

@@ -1,7 +1,10 @@
 """The `dlbfluid` command line: one sub-command per verb.
 
 Each sub-command lives in its own module exposing `register(subparsers)`, which adds its
-parser and sets `func` (called with the parsed arguments, returning an exit code).
+parser and sets `func` (called with the parsed arguments, returning an exit code). The
+sub-commands with the options of `_common.add_process_options` run across processes
+(`dlbfluid._distributed`): `main` starts them before the work and passes them on as
+`args.processes`.
 """
 
 from __future__ import annotations
@@ -45,17 +48,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .._errors import ScenarioError
+    from ._common import start_processes
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    procs = None
     try:
-        return int(args.func(args) or 0)
+        if hasattr(args, "process_id"):  # a command that runs across processes
+            procs = args.processes = start_processes(args)
+        code = int(args.func(args) or 0)
     except ScenarioError as e:
         print(f"dlbfluid {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except ValueError as e:
         print(f"dlbfluid {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    except BaseException as e:  # a failure: the other processes stop too, not wait
+        if procs is not None:
+            procs.abort(f"{type(e).__name__}: {e}")
+        raise
+    if procs is not None:
+        # Every process waits for process 0 and exits with its status.
+        code = procs.finish(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -89,3 +89,71 @@ def add_run_options(p: argparse.ArgumentParser, *, horizon: float) -> None:
         default=horizon,
         help=f"simulated time T in seconds, a multiple of --tick (default {horizon:g})",
     )
+
+
+def add_process_options(p: argparse.ArgumentParser) -> None:
+    """`--coordinator`, `--num-processes`, `--process-id`, `--detect-cluster`: one run
+    shared by several processes and hosts (`dlbfluid._distributed`; README, *On a
+    cluster*)."""
+    g = p.add_argument_group(
+        "across processes and hosts (jax.distributed)",
+        "Start the same command once per process with these three options added (or "
+        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID set): each process "
+        "computes its share of the scenarios; process 0 prints and writes the merged "
+        "results, equal to a one-process run's.",
+    )
+    g.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="process 0's host and a free port, the same for every process "
+        "(default $JAX_COORDINATOR_ADDRESS)",
+    )
+    g.add_argument(
+        "--num-processes", metavar="P", help="number of processes (default $JAX_NUM_PROCESSES)"
+    )
+    g.add_argument(
+        "--process-id",
+        metavar="I",
+        help="this process, in [0, P) (default $JAX_PROCESS_ID)",
+    )
+    g.add_argument(
+        "--detect-cluster",
+        action="store_true",
+        help="let JAX's cluster detection (SLURM, Open MPI, Kubernetes, Cloud TPU) supply "
+        "what is not given",
+    )
+
+
+# Options that may differ between the processes of one run (only process 0 uses them).
+_PER_PROCESS = {
+    "coordinator",
+    "num_processes",
+    "process_id",
+    "detect_cluster",
+    "out",
+    "json",
+    "no_progress",
+}
+
+
+def start_processes(args):
+    """The `Processes` of this run from the options of `add_process_options` (validated
+    before any work; `jax.distributed` initialised when there are several), after
+    checking that every process runs the same command with the same options."""
+    from .._distributed import start
+
+    procs = start(args.coordinator, args.num_processes, args.process_id, detect=args.detect_cluster)
+    if procs.count > 1:
+        opts = {k: v for k, v in sorted(vars(args).items()) if k not in _PER_PROCESS}
+        mine = json.loads(json.dumps({k: v for k, v in opts.items() if not callable(v)}))
+        first, *others = procs.allgather(mine, "options")
+        for p, theirs in enumerate(others, 1):
+            diff = [k for k in first if theirs.get(k) != first[k]]
+            if diff:
+                k = diff[0]
+                raise ValueError(
+                    f"--{k.replace('_', '-')} = {theirs.get(k)!r} on process {p} is invalid: "
+                    f"process 0 runs with {first[k]!r}; every process must run the same "
+                    "command with the same options"
+                )
+    return procs

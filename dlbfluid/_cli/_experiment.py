@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ._common import emit_json, positive_float, table
+from ._common import add_process_options, emit_json, positive_float, table
 
 
 def register(sub) -> None:
@@ -61,6 +61,7 @@ def register(sub) -> None:
     )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--no-progress", action="store_true", help="never show progress")
+    add_process_options(p)
     p.set_defaults(func=run)
 
 
@@ -79,7 +80,14 @@ def run(args) -> int:
         error_aversion=not args.no_error_aversion,
     )
     out = args.out or f"experiment-{args.kind}"
-    res = run_experiment(cfg, out, progress=not args.no_progress and sys.stderr.isatty())
+    res = run_experiment(
+        cfg,
+        out,
+        progress=not args.no_progress and sys.stderr.isatty(),
+        processes=getattr(args, "processes", None),
+    )
+    if res is None:  # not process 0: it prints and writes the merged results
+        return 0
     res["out"] = str(out)
     if args.json:
         emit_json(res)

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import add_run_options, emit_json, load_scenario_arg, positive_float, write_json
+from ._common import (
+    add_process_options,
+    add_run_options,
+    emit_json,
+    load_scenario_arg,
+    positive_float,
+    write_json,
+)
 
 
 def add_integrator_options(p: argparse.ArgumentParser) -> None:
@@ -23,8 +30,9 @@ def add_integrator_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--substeps",
         type=int,
-        default=4,
-        help="RK4 steps per tick for --integrator fast (default 4)",
+        default=None,
+        help="RK4 steps per tick for --integrator fast (default: chosen from the cells' "
+        "time scale, one step at millisecond ticks)",
     )
     p.add_argument(
         "--rtol",
@@ -44,7 +52,7 @@ def make_integrator(args):
     from .._simulate import Accurate, Fast
 
     if args.integrator == "fast":
-        return Fast(substeps=args.substeps)
+        return Fast(substeps=args.substeps)  # (None: chosen per batch, Fast.for_batch)
     return Accurate(rtol=args.rtol, atol=args.atol)
 
 
@@ -90,12 +98,16 @@ def register(sub) -> None:
         "--out", metavar="DIR", help="write trajectory.npz, summary.json and trajectory.png to DIR"
     )
     p.add_argument("--no-progress", action="store_true", help="never show progress")
+    add_process_options(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from .._simulate import simulate
 
+    procs = getattr(args, "processes", None)
+    if procs is not None and not procs.main:
+        return 0  # one scenario: process 0 simulates it, the others wait (`finish`)
     scn = load_scenario_arg(args.scenario, allow_overload=args.allow_overload)
     n_save = min(args.n_save, max(1, int(round(args.horizon / args.tick))))
     ticks = args.horizon / args.tick

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ._common import emit_json, positive_float, table
+from ._common import add_process_options, emit_json, positive_float, table
 
 
 def register(sub) -> None:
@@ -55,6 +55,7 @@ def register(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="write results.jsonl and summary.json; resume")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--no-progress", action="store_true", help="never show progress")
+    add_process_options(p)
     p.set_defaults(func=run)
 
 
@@ -79,7 +80,10 @@ def run(args) -> int:
         step_fraction=args.step_fraction,
         conv_tol=args.conv_tol,
         progress=not args.no_progress,
+        processes=getattr(args, "processes", None),
     )
+    if res is None:  # not process 0: it prints and writes the merged results
+        return 0
     records = res.pop("records")
     if args.json:
         emit_json({"summary": res, "scenarios": records})

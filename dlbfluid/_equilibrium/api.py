@@ -265,7 +265,7 @@ def solve_equilibrium(
     B = scn.batch_shape[0]
     # Pad the batch to a bucket size that is a multiple of the device count, so that
     # nearby batch sizes (and every unbatched call) share one compiled solver.
-    ndev = jax.device_count()
+    ndev = jax.local_device_count()
     Bb = _batch_bucket(B, ndev)
     scn = _prepare(scn, jnp.asarray(time, jnp.float64), Bb)
     scn = shard_batch(scn)
