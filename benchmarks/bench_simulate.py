@@ -90,6 +90,21 @@ def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v.strip()]
 
 
+def check_out(p: argparse.ArgumentParser, path: str | None) -> None:
+    """`--out`: refused before any work unless a writable file path in an existing
+    directory (shared by the benchmark scripts)."""
+    if path is None:
+        return
+    out = Path(path)
+    if out.is_dir():
+        p.error(f"--out {path}: is a directory (allowed: a file path)")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        p.error(f"--out {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        p.error(f"--out {path}: not writable")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="batches 1,100 and cells 2,5")
@@ -163,12 +178,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.substeps is not None and a.substeps < 1:
         p.error(f"--substeps: {a.substeps} is invalid: expected an integer >= 1")
-    if a.out is not None:
-        out = Path(a.out)
-        if out.exists() and out.is_dir():
-            p.error(f"--out: {a.out!r} is a directory: expected a file path")
-        if not out.parent.exists() and not out.parent.parent.exists():
-            p.error(f"--out: the directory of {a.out!r} does not exist")
+    check_out(p, a.out)
     if a.appb:
         a.dtypes = [s.strip() for s in a.dtypes.split(",") if s.strip()]
         for d in a.dtypes:

@@ -10,3 +10,16 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# One persistent compilation cache per test run, shared by the xdist workers: the same
+# catalogue programs are compiled by every worker otherwise. (PYTEST_XDIST_TESTRUNUID is
+# the same in every worker of a run; a run without xdist gets a directory of its own.)
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"solo-{os.getpid()}"
+_cache = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dlbfluid-test-cache-{_run}")
+jax.config.update("jax_compilation_cache_dir", _cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# (and by the notebook kernels and command-line subprocesses the tests start)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
