@@ -152,6 +152,7 @@ class Fast(AbstractIntegrator):
         clip = lambda v: jnp.minimum(v, cap)  # noqa: E731
         # Steps: a fixed number, or this scenario's own M <= max_substeps (then the steps
         # past M leave the state as it is).
+        M: int | jax.Array
         if self.substeps is not None:
             M, loop = self.substeps, self.substeps
         elif self.max_substeps == 1:
@@ -161,7 +162,7 @@ class Fast(AbstractIntegrator):
             loop = self.max_substeps
         static = isinstance(M, int)
         sel = (lambda on, a, b: a) if static else jnp.where  # noqa: E731
-        dt = h / (M if static else M.astype(dtype))
+        dt = h / (M if isinstance(M, int) else M.astype(dtype))
         Ns, m1, A0 = N, rate(N), jnp.zeros_like(N)
         arrs = deps = drops = jnp.zeros_like(N)
         area = jnp.zeros((), dtype)
