@@ -352,29 +352,27 @@ def memory() -> dict:
     return out
 
 
-def rel_diff(N, Nref, mask, floor=1e-3):
-    """max_{b,t,j} |N - Nref| / max(|Nref|, floor * max_{t,j} |Nref_b|) over real cells, and
-    how many scenarios exceed 1e-3."""
+def _rel(N, Nref, mask, floor):
+    """|N - Nref| / max(|Nref|, floor * max_{t,j} |Nref_b|) on real cells, `(B, T, n)`
+    (0 on padded cells, inf where not finite)."""
     N = np.asarray(N, dtype=np.float64)
     Nref = np.asarray(Nref, dtype=np.float64)
     m = np.asarray(mask)[:, None, :]
     scale = np.max(np.where(m, np.abs(Nref), 0.0), axis=(1, 2), keepdims=True)
     den = np.maximum(np.abs(Nref), floor * scale)
     rel = np.where(m, np.abs(N - Nref) / np.where(den > 0, den, 1.0), 0.0)
-    rel = np.where(np.isfinite(rel), rel, np.inf)
-    per = rel.max(axis=(1, 2))
+    return np.where(np.isfinite(rel), rel, np.inf)
+
+
+def rel_diff(N, Nref, mask, floor=1e-3):
+    """max_{b,t,j} of `_rel` over real cells, and how many scenarios exceed 1e-3."""
+    per = _rel(N, Nref, mask, floor).max(axis=(1, 2))
     return float(per.max()), int(np.sum(per > 1e-3))
 
 
 def rel_diff_vs_time(N, Nref, mask, floor=1e-3):
     """`rel_diff` at each saved time (max over scenarios and cells)."""
-    N = np.asarray(N, dtype=np.float64)
-    Nref = np.asarray(Nref, dtype=np.float64)
-    m = np.asarray(mask)[:, None, :]
-    scale = np.max(np.where(m, np.abs(Nref), 0.0), axis=(1, 2), keepdims=True)
-    den = np.maximum(np.abs(Nref), floor * scale)
-    rel = np.where(m, np.abs(N - Nref) / np.where(den > 0, den, 1.0), 0.0)
-    return np.where(np.isfinite(rel), rel, np.inf).max(axis=(0, 2)).tolist()
+    return _rel(N, Nref, mask, floor).max(axis=(0, 2)).tolist()
 
 
 def exact_source_arrivals(batch, t) -> np.ndarray:

@@ -401,8 +401,12 @@ def compile_seconds() -> float:
     return total
 
 
-def run_dlbfluid(batch, path: str, args, dtype):
+def run_dlbfluid(batch, path: str, args, dtype, *, horizon=None, n_save=None):
+    """One compiling call, then the steady calls: (solution, first call, compile seconds,
+    best steady wall, steady walls, recompiled). `horizon`, `n_save`: default the args'."""
     integ = make_integrator(path, args)
+    horizon = args.horizon if horizon is None else horizon
+    n_save = args.n_save if n_save is None else n_save
 
     def call():
         t0 = time.perf_counter()
@@ -411,8 +415,8 @@ def run_dlbfluid(batch, path: str, args, dtype):
             POLICY,
             step_size=args.step_size,
             tick=args.tick,
-            horizon=args.horizon,
-            n_save=args.n_save,
+            horizon=horizon,
+            n_save=n_save,
             integrator=integ,
             dtype=dtype,
         )
@@ -531,31 +535,12 @@ def machine_peak(dtype, size: int = 2048, repeats: int = 5) -> dict:
 
 
 def _time_appb(batch, args, dtype, ticks: int):
-    """(first call, compile seconds, best steady wall, solution) of one App.-B call."""
-    integ = make_integrator("fast", args)
-
-    def call():
-        t0 = time.perf_counter()
-        sol = dl.simulate(
-            batch,
-            POLICY,
-            step_size=args.step_size,
-            tick=args.tick,
-            horizon=ticks * args.tick,
-            n_save=4,
-            integrator=integ,
-            dtype=dtype,
-        )
-        jax.block_until_ready(sol.N)
-        return sol, time.perf_counter() - t0
-
-    _SPANS.clear()
-    sol, first = call()
-    compile_s = min(compile_seconds(), first)
-    walls = []
-    while len(walls) < args.repeats and (not walls or sum(walls) < args.min_time):
-        walls.append(call()[1])
-    return first, compile_s, min(walls), walls, sol
+    """(first call, compile seconds, best steady wall, steady walls, solution) of one
+    App.-B configuration of `ticks` ticks (`run_dlbfluid`, 4 saves)."""
+    sol, first, comp, wall, walls, _ = run_dlbfluid(
+        batch, "fast", args, dtype, horizon=ticks * args.tick, n_save=4
+    )
+    return first, comp, wall, walls, sol
 
 
 def _slope(xs, ys) -> float:
