@@ -60,6 +60,47 @@ def positive_float(name: str):
     return parse
 
 
+def check_out_dir(path: str | None, flag: str = "--out") -> Path | None:
+    """Check, before any work, that `path` is (or can be made) a writable directory:
+    creates it and returns it, or raises `ValueError` naming `flag`, the value and what is
+    allowed (an existing file, an uncreatable or unwritable directory)."""
+    import os
+
+    if path is None:
+        return None
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"{flag} = {str(path)!r} is invalid: it is an existing file; expected a directory "
+            "(existing or new)"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"{flag} = {str(path)!r} is invalid: the directory cannot be created "
+            f"({e.strerror or e}); expected a writable directory"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{flag} = {str(path)!r} is invalid: the directory is not writable; "
+            "expected a writable directory"
+        )
+    return out
+
+
+def check_whole_ticks(horizon: float, tick: float, flag: str = "--horizon") -> int:
+    """The number of ticks in `horizon`, or `ValueError` naming `flag` when the horizon is
+    not a whole number of ticks (checked before any work)."""
+    K = int(round(horizon / tick))
+    if K < 1 or abs(K * tick - horizon) > 1e-9 * horizon:
+        raise ValueError(
+            f"{flag} = {horizon:g} is invalid: expected a whole number (>= 1) of ticks of "
+            f"--tick = {tick:g} s"
+        )
+    return K
+
+
 def table(rows: list[list], header: list[str]) -> str:
     """A plain aligned text table."""
     cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
