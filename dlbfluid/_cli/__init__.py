@@ -5,6 +5,10 @@ parser and sets `func` (called with the parsed arguments, returning an exit code
 sub-commands with the options of `_common.add_process_options` run across processes
 (`dlbfluid._distributed`): `main` starts them before the work and passes them on as
 `args.processes`.
+
+Parsing (and `--help`) imports no JAX: the sub-command modules import the numerics inside
+`func`, and the package loads its public names on first use. Before a command runs, `main`
+enables float64 and the persistent compilation cache (`dlbfluid._cache`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    from .. import enable_x64
+    from .._cache import enable_compilation_cache
+
+    enable_x64()
+    enable_compilation_cache()
     procs = None
     try:
         if hasattr(args, "process_id"):  # a command that runs across processes

@@ -1,0 +1,58 @@
+"""The command line's persistent compilation cache (README, *Compilation cache*).
+
+Every `dlbfluid` command compiles its programs for the shapes at hand; JAX's persistent
+compilation cache keeps the compiled programs on disk, so that the second call of a
+command with the same shapes loads them instead (the all-costs `equilibrium` of the
+default scenario: 29 s cold, a few seconds warm). The command line turns it on by
+default; the Python API leaves JAX's configuration to the user.
+
+Where: `$DLBFLUID_CACHE_DIR` if set (`off`, `0` or an empty value: no cache), else
+JAX's own `$JAX_COMPILATION_CACHE_DIR` if set, else `$XDG_CACHE_HOME/dlbfluid/jax`
+(`~/.cache/dlbfluid/jax` by default). A directory that cannot be created leaves the cache
+off, with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+OFF = ("", "0", "off", "none", "false")
+
+# Programs that compile faster than this are not worth a disk entry.
+MIN_COMPILE_TIME_S = 0.5
+
+
+def cache_dir(environ=None) -> Path | None:
+    """The cache directory the command line uses (None: off), from the environment."""
+    env = os.environ if environ is None else environ
+    if "DLBFLUID_CACHE_DIR" in env:
+        v = env["DLBFLUID_CACHE_DIR"].strip()
+        return None if v.lower() in OFF else Path(v).expanduser()
+    if env.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(env["JAX_COMPILATION_CACHE_DIR"]).expanduser()
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dlbfluid" / "jax"
+
+
+def enable_compilation_cache(environ=None, stream=None) -> Path | None:
+    """Point JAX's persistent compilation cache at `cache_dir()`; returns it (None: off)."""
+    path = cache_dir(environ)
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(
+            f"dlbfluid: compilation cache off: cannot create {str(path)!r} ({e.strerror or e}); "
+            "set DLBFLUID_CACHE_DIR to a writable directory or to 'off'",
+            file=sys.stderr if stream is None else stream,
+        )
+        return None
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
