@@ -4,7 +4,8 @@ For every scenario: solve the RIF, Wardrop and social-optimum equilibria, simula
 flow-rif, flow-lat and flow-grad, and record convergence, the time-average distance
 $\\frac1T\\int_0^T\\sum_jD_j$, the final distance to $N^*$ and the step size relative to
 the critical one. Results are appended to a JSON-lines file chunk by chunk, so that a
-killed run resumes where it stopped without losing or duplicating a scenario.
+killed run resumes where it stopped without losing or duplicating a scenario; the
+directory's manifest (`dlbfluid._manifest`) refuses a rerun with other settings.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._distributed import Processes
+from ._manifest import open_manifest, resume_note
 from ._progress import Progress
 from ._registry import flow_policy_names
 from ._scenario import check_capacity, scenario_from_dict, stack_scenarios
@@ -194,6 +196,21 @@ def verify(
     the same arguments and computes whole chunks; process 0 alone reads and writes
     `out_dir`, shows progress and returns the summary (the others return `None`), equal
     to a one-process run's.
+
+    `out_dir`: where the records are appended (`results.jsonl`, chunk by chunk) and the
+    summary written (`summary.json`); a rerun with the same `out_dir` resumes, computing
+    only the scenarios not yet there. The directory's manifest (`dlbfluid._manifest`,
+    `manifest.json`) records every argument that changes a number (`n_scenarios`,
+    `seed`, `n_cells`, `horizon`, `tick`, `step_fraction`, `conv_tol`, `nodes`, the
+    policies and the name of a custom `draw`) and the package version; `chunk` is not
+    among them (a scenario's record does not depend on its chunk, up to rounding: chunks
+    of 2, 3 and 4 gave identical records, a chunk of 1 differed by one ulp), so a resumed
+    run may use another.
+
+    **Raises:** `ValueError` when `out_dir` holds a run with other settings (naming each
+    changed field with its old and new value) or of another dlbfluid version, or
+    `results.jsonl` without a manifest (a run whose settings were not recorded); `out_dir`
+    is left untouched then.
     """
     procs = Processes() if processes is None else processes
     for name, v, ok in (
@@ -206,16 +223,42 @@ def verify(
     K = int(round(horizon / tick))
     if abs(K * tick - horizon) > 1e-9 * horizon:
         raise ValueError(f"horizon = {horizon} is not a whole number of ticks of {tick}")
+    pols = flow_policies(policies)
     path = None
     done: dict[int, dict] = {}
-    if out_dir is not None and procs.main:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "results.jsonl"
-        done = _read_done(path)
+    state: dict | None = None
+    if procs.main:
+        try:
+            if out_dir is not None:
+                config = {
+                    "n_scenarios": n_scenarios,
+                    "seed": seed,
+                    "n_cells": list(n_cells),
+                    "horizon": horizon,
+                    "tick": tick,
+                    "step_fraction": step_fraction,
+                    "conv_tol": conv_tol,
+                    "nodes": nodes,
+                    "policies": [p for p, _ in pols],
+                    "draw": None if draw is None else _qualified_name(draw),
+                }
+                resumed = open_manifest(
+                    out_dir, "verify", config, labels=_FLAGS, results=("results.jsonl",)
+                )
+                path = Path(out_dir) / "results.jsonl"
+                done = _read_done(path)
+                if resumed:
+                    resume_note(out_dir, len(done), n_scenarios, "scenarios")
+        except ValueError as e:  # (told to every process: none starts)
+            state = {"error": str(e)}
+        else:
+            state = {"todo": [i for i in range(n_scenarios) if i not in done]}
     # (process 0 alone reads the results file: the others learn from it what is left)
-    todo = procs.broadcast([i for i in range(n_scenarios) if i not in done], "verify/todo")
-    pols = flow_policies(policies)
+    state = procs.broadcast(state, "verify/todo")
+    assert state is not None
+    if "error" in state:
+        raise ValueError(state["error"])
+    todo = state["todo"]
     source = (lambda sd, i: draw_scenario(sd, i, n_cells=n_cells)) if draw is None else draw
     t_start = time.perf_counter()
     if not procs.main:
@@ -274,6 +317,25 @@ def verify(
         (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["records"] = records
     return summary
+
+
+# The command-line option of each field of the manifest, for its messages.
+_FLAGS = {
+    "n_scenarios": "--scenarios",
+    "seed": "--seed",
+    "n_cells": "--min-cells, --max-cells",
+    "horizon": "--horizon",
+    "tick": "--tick",
+    "step_fraction": "--step-fraction",
+    "conv_tol": "--conv-tol",
+}
+
+
+def _qualified_name(fn) -> str:
+    """`module.qualname` of a scenario source (of its type for a callable object): the
+    identity the manifest records (a changed body under the same name goes unnoticed)."""
+    obj = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(obj, '__module__', '?')}.{obj.__qualname__}"
 
 
 def _chunk_records(

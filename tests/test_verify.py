@@ -34,11 +34,12 @@ def test_generator_satisfies_assumptions():
 
 
 def test_resume_after_kill_loses_and_duplicates_nothing(tmp_path):
-    full = verify(4, 7, **KW)
     out = tmp_path / "run"
-    verify(2, 7, out_dir=out, **KW)  # a run killed after its first chunk ...
-    with open(out / "results.jsonl", "a") as fh:
-        fh.write('{"index": 2, "n_cel')  # ... in the middle of writing the next line
+    full = verify(4, 7, out_dir=out, **KW)
+    # A run killed after its first chunk, in the middle of writing the next line (a rerun
+    # with other settings is refused: tests/test_resume.py).
+    lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+    (out / "results.jsonl").write_text("".join(lines[:2]) + '{"index": 2, "n_cel')
     resumed = verify(4, 7, out_dir=out, **KW)
     lines = (out / "results.jsonl").read_text().splitlines()
     idx = [json.loads(line)["index"] for line in lines]
