@@ -25,37 +25,18 @@ import numpy as np
 
 from ._aversion import ErrorAversion
 from ._distributed import Processes
+from ._experiment_config import KINDS as KINDS
+from ._experiment_config import POLICIES as POLICIES
+from ._experiment_config import STEP_RULE_KAPPA, ExperimentConfig
+from ._experiment_config import variants as _variants
 from ._integrators import Fast
+from ._manifest import MANIFEST, open_manifest, resume_note
 from ._policies import MNLB, FlowRouting, policy_from_name
 from ._progress import Progress
-from ._registry import BUILTIN_POLICIES
-from ._registry import POLICIES as _REGISTRY
 from ._scenario import scenario_from_dict, stack_scenarios
 
-POLICIES = ("rand", "mnlb") + tuple(p for p in BUILTIN_POLICIES if p not in ("rand", "mnlb"))
-"""The default policies, baselines first (any registered policy may be named)."""
-UTILISATIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
-NOISE_LEVELS = (0.0, 0.1, 0.25, 0.5)
 FIT_SAMPLES = 500
 
-
-def _variants(kind: str) -> list[tuple[str, dict]]:
-    from ._generator import DURATION_SCALES
-
-    if kind == "baseline":
-        return [("baseline", {})]
-    if kind == "utilization":
-        return [(f"u={u:g}", {"utilisation": u}) for u in UTILISATIONS]
-    if kind == "duration":
-        return [(f"y={y:g}", {"duration_scale": y}) for y in DURATION_SCALES]
-    if kind in ("burst", "outage", "spikes"):
-        return [(kind, {"event": kind})]
-    if kind == "noise":
-        return [(f"eps={e:g}", {"noise": e}) for e in NOISE_LEVELS] + [("fitted", {"fit": True})]
-    raise ValueError(f"experiment = {kind!r} is invalid: allowed experiments are {list(KINDS)}")
-
-
-KINDS = ("baseline", "utilization", "duration", "burst", "outage", "spikes", "noise")
 FIELDS = (
     "experiment",
     "variant",
@@ -71,81 +52,6 @@ FIELDS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
-    """What an experiment directory holds; a resumed run must match it exactly.
-
-    **Fields:** `experiment` (one of `KINDS`), `scenarios`, `trials`, `seed`, `horizon` (s),
-    `tick` (s), `step_fraction` (flow step size as a fraction of each scenario's critical
-    step size $\\eta^*$), `policies`, `error_aversion` (roots use `ErrorAversion()`),
-    `mnlb_period` (s) and `mnlb_cap` (MNLB's utilisation cap), `fluctuation` (trial noise
-    $\\sigma$), `utilisation` (of the base scenarios).
-    """
-
-    experiment: str
-    scenarios: int = 10
-    trials: int = 5
-    seed: int = 0
-    horizon: float = 600.0
-    tick: float = 0.05
-    step_fraction: float = 0.3
-    policies: tuple[str, ...] = POLICIES
-    error_aversion: bool = True
-    mnlb_period: float = 10.0
-    mnlb_cap: float = 0.9
-    fluctuation: float = 0.1
-    utilisation: float = 0.8
-
-    def __post_init__(self):
-        _variants(self.experiment)
-        for f in ("scenarios", "trials"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f} = {v!r} is invalid: expected an integer >= 1")
-        for f in ("horizon", "tick", "mnlb_period"):
-            v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{f} = {v!r} is invalid: expected a finite number > 0")
-        K = round(self.horizon / self.tick)
-        if abs(K * self.tick - self.horizon) > 1e-9 * self.horizon:
-            raise ValueError(
-                f"horizon = {self.horizon} is invalid: expected a multiple of tick = {self.tick}"
-            )
-        if not (0 < self.step_fraction <= 1):
-            raise ValueError(
-                f"step_fraction = {self.step_fraction!r} is invalid: expected 0 < value <= 1"
-            )
-        if not (0 < self.mnlb_cap <= 1):
-            raise ValueError(f"mnlb_cap = {self.mnlb_cap!r} is invalid: expected 0 < value <= 1")
-        if not (0 <= self.fluctuation < 1):
-            raise ValueError(
-                f"fluctuation = {self.fluctuation!r} is invalid: expected 0 <= value < 1"
-            )
-        if not (0 < self.utilisation < 1):
-            raise ValueError(
-                f"utilisation = {self.utilisation!r} is invalid: expected 0 < value < 1"
-            )
-        pols = tuple(self.policies)
-        for p in pols:
-            if p not in _REGISTRY:
-                raise ValueError(
-                    f"policies: {p!r} is invalid: allowed policies are {list(_REGISTRY.names())}"
-                )
-        if "rand" not in pols:
-            raise ValueError(
-                f"policies = {list(pols)} is invalid: 'rand' is required (latencies are "
-                "normalised by Rand's)"
-            )
-        if len(set(pols)) != len(pols):
-            raise ValueError(f"policies = {list(pols)} is invalid: duplicates")
-        object.__setattr__(self, "policies", pols)
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["policies"] = list(self.policies)
-        return d
-
-
 # ----------------------------------------------------------------------------------------
 # Building one variant's batch
 # ----------------------------------------------------------------------------------------
@@ -153,14 +59,18 @@ class ExperimentConfig:
 
 def _variant_batch(cfg: ExperimentConfig, options: dict):
     """The `scenarios x trials` batch of one variant (trial-major inside each scenario),
-    plus the nominal scenarios (no trial noise, no event) used for step sizes."""
-    from ._generator import generate, scenario_dicts
+    plus the nominal scenarios (no trial noise, no event) used for step sizes, as the
+    routers see them: where the routers' model differs from the truth (`noise`, `fit`),
+    a nominal scenario's service is the routers' model, so that nothing a router computes
+    (costs, step sizes) comes from the true one."""
+    from ._generator import TOKEN_TIME_CV, generate, scenario_dicts
 
     gen = generate(
         cfg.seed,
         cfg.scenarios,
         utilisation=options.get("utilisation", cfg.utilisation),
         duration_scale=options.get("duration_scale", 1.0),
+        token_time_cv=options.get("token_time_cv", TOKEN_TIME_CV),
     )
     event = options.get("event", "none")
     nominal = [
@@ -186,6 +96,9 @@ def _variant_batch(cfg: ExperimentConfig, options: dict):
         scns = [dataclasses.replace(sc, estimate=est[k // cfg.trials]) for k, sc in enumerate(scns)]
     if options.get("fit"):
         scns = _with_fitted_models(cfg, scns)
+    if eps or options.get("fit"):
+        views = [scns[s * cfg.trials].estimate for s in range(cfg.scenarios)]
+        nominal = [dataclasses.replace(n, service=e, estimate=e) for n, e in zip(nominal, views)]
     util = gen.total_utilisation()
     # Pad to the generator's largest size so every variant reuses one compilation.
     return nominal, stack_scenarios(scns, n_cells=gen.max_cells), np.asarray(util, dtype=float)
@@ -224,20 +137,26 @@ def _cells(service, n):
 def _step_sizes(
     cfg: ExperimentConfig, nominal, policy: str, procs: Processes | None = None
 ) -> np.ndarray:
-    """$\\eta = $ `step_fraction` $\\cdot \\eta^*$ per scenario, from the linearisation at
-    the nominal scenario's equilibrium (theory/stability.md). The paper takes the step
-    inversely proportional to the mean network latency; $\\eta^*$ scales that way and also
-    accounts for each cell's cost slope. A scenario whose $\\eta^*$ cannot be computed
-    takes the median of the others.
+    """Every router's step size, `(scenarios, n)` (padded cells 0), by `cfg.step_rule`.
 
-    Every process solves the equilibria of the whole batch (one batched solve, as in a
-    one-process run) and computes $\\eta^*$ for its share of the scenarios; all of them
-    then take the median of all."""
+    `"paper"` (seed App. B: "inversely proportional to the mean network latency"):
+    $\\eta_i = \\kappa_c/\\bar\\tau_i$ (`paper_step_sizes`). `"oracle"`: $\\eta = $
+    `step_fraction` $\\cdot \\eta^*$ per scenario, from the linearisation at the nominal
+    scenario's equilibrium (theory/stability.md), the same for all its routers; a scenario
+    whose $\\eta^*$ cannot be computed takes the median of the others. In both, the nominal
+    scenarios are the routers' view (`_variant_batch`).
+
+    Oracle: every process solves the equilibria of the whole batch (one batched solve, as
+    in a one-process run) and computes $\\eta^*$ for its share of the scenarios; all of
+    them then take the median of all."""
     from ._equilibrium import solve_equilibrium
     from ._verify import _thresholds
 
-    procs = Processes() if procs is None else procs
     pol = policy_from_name(policy)
+    n = max(int(np.asarray(s.cell_mask).sum()) for s in nominal)
+    if cfg.step_rule == "paper":
+        return paper_step_sizes(nominal, pol.cost.name, n)
+    procs = Processes() if procs is None else procs
     eq = solve_equilibrium(stack_scenarios(nominal), pol.cost)
     part = procs.share(len(nominal))
     whole = len(part) == len(nominal)
@@ -246,7 +165,47 @@ def _step_sizes(
     etas = [e for share in procs.allgather(mine, "experiment/eta") for e in share]
     good = [e for e in etas if e is not None and math.isfinite(e) and e > 0]
     fill = float(np.median(good)) if good else 1.0
-    return cfg.step_fraction * np.array([fill if e is None else e for e in etas])
+    eta = cfg.step_fraction * np.array([fill if e is None else e for e in etas])
+    mask = np.stack([_padded(np.asarray(s.cell_mask), n) for s in nominal])
+    return np.where(mask, eta[:, None], 0.0)
+
+
+def mean_remote_delay(scenario) -> np.ndarray:
+    """$\\bar\\tau_i$, `(n,)`: the mean one-way delay from router $i$ to the other cells it
+    may route to; a router with none takes the mean over the scenario's remote arcs (its
+    step size moves nothing: its simplex is one point), and a scenario without remote arcs
+    takes 1 s."""
+    tau = np.asarray(scenario.latency, float)
+    real = np.asarray(scenario.cell_mask, bool)
+    remote = np.asarray(scenario.allowed, bool) & ~np.eye(tau.shape[0], dtype=bool)
+    remote &= real[:, None] & real[None, :]
+    count = remote.sum(axis=1)
+    total = np.where(remote, tau, 0.0).sum(axis=1)
+    overall = total.sum() / count.sum() if count.sum() else 1.0
+    return np.where(count > 0, total / np.maximum(count, 1), overall)
+
+
+def paper_step_sizes(scenarios, cost: str, n: int | None = None) -> np.ndarray:
+    """The paper's step-size rule, `(len(scenarios), n)`: router $i$ of a flow policy with
+    cost family `cost` takes $\\eta_i = \\kappa_c/\\bar\\tau_i$ (`mean_remote_delay`),
+    $\\kappa_c$ = `STEP_RULE_KAPPA[cost]`; padded cells 0. Only delays enter: the routers
+    measure them, so the rule needs no model of the cells."""
+    if cost not in STEP_RULE_KAPPA:
+        raise ValueError(
+            f"step_rule = 'paper' is invalid for cost {cost!r}: kappa is calibrated for "
+            f"{list(STEP_RULE_KAPPA)}; use step_rule = 'oracle' (--step-rule oracle)"
+        )
+    kappa = STEP_RULE_KAPPA[cost]
+    rows = []
+    for s in scenarios:
+        real = np.asarray(s.cell_mask, bool)
+        eta = np.where(real, kappa / mean_remote_delay(s), 0.0)
+        rows.append(_padded(eta, eta.shape[0] if n is None else n))
+    return np.stack(rows)
+
+
+def _padded(a: np.ndarray, n: int) -> np.ndarray:
+    return np.concatenate([a, np.zeros(n - a.shape[0], a.dtype)])
 
 
 # ----------------------------------------------------------------------------------------
@@ -446,6 +405,8 @@ def run_experiment(
     ndone = sum((v, p) in finished for v, _, p in units)
     bar.update(ndone, start=ndone)
     aversion = ErrorAversion() if cfg.error_aversion else None
+    # The paper's MNLB is a separate, centralised system: no DLB error aversion unless asked.
+    mnlb_aversion = aversion if cfg.mnlb_error_aversion else None
     part = procs.share(cfg.scenarios)
     rows_part = range(part.start * cfg.trials, part.stop * cfg.trials)
     cache: dict = {}
@@ -456,23 +417,31 @@ def run_experiment(
             cache = {"variant": v, "batch": _variant_batch(cfg, opts)}
         nominal, batch, util = cache["batch"]
         pol = policy_from_name(p)
+        averse = aversion
         if isinstance(pol, MNLB):
             pol = MNLB(update_period=cfg.mnlb_period, utilisation_cap=cfg.mnlb_cap)
+            averse = mnlb_aversion
+        tick = opts.get("tick", cfg.tick)
         flow = isinstance(pol, FlowRouting)
+        n_max = batch.n_cells
         if flow:
             eta_s = _step_sizes(cfg, nominal, p, procs)
+            eta_s = np.pad(eta_s, ((0, 0), (0, n_max - eta_s.shape[1])))
         else:
-            eta_s = np.ones(cfg.scenarios)
-        eta = np.repeat(eta_s, cfg.trials)
+            eta_s = np.ones((cfg.scenarios, n_max))
+        eta = np.repeat(eta_s, cfg.trials, axis=0)
+        # (the results file's step size: the mean over a scenario's routers)
+        masks = np.asarray(batch.cell_mask)
+        eta_mean = (eta * masks).sum(axis=1) / masks.sum(axis=1)
         bar.update(ndone, f"{v} {p}")
         new = []
         if len(rows_part):
             # The sub-steps are chosen for the whole batch, as a one-process run does.
-            integrator = Fast().for_batch(batch, cfg.tick)
+            integrator = Fast().for_batch(batch, tick)
             lo, hi = rows_part.start, rows_part.stop
             whole = (lo, hi) == (0, expected)
             mine = batch if whole else jax.tree_util.tree_map(lambda a: a[lo:hi], batch)
-            sol = _simulate_unit(cfg, mine, pol, eta[lo:hi], aversion, integrator)
+            sol = _simulate_unit(cfg, mine, pol, eta[lo:hi], averse, integrator, tick)
             lat = np.asarray(sol.mean_latency(window=1.0))
             err = np.asarray(sol.error_rate(window=1.0))
             status = sol.status_names()
@@ -493,7 +462,7 @@ def run_experiment(
                         "trial": t,
                         "n_cells": int(n_cells[k]),
                         "utilisation": f"{util[s]:.6g}",
-                        "step_size": f"{eta[k]:.6g}" if flow else "",
+                        "step_size": f"{eta_mean[k]:.6g}" if flow else "",
                         "mean_latency": f"{lat[b]:.10g}" if ok else "",
                         "error_rate": f"{err[b]:.10g}" if ok else "",
                         "status": state_k,
@@ -525,19 +494,43 @@ def run_experiment(
 
 
 def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], list[dict]]:
-    """Create or check `out` (`config.json`), drop a torn unit from `results.csv`, and
-    return the complete units already there."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Create or check `out` (`manifest.json`, `config.json`), drop a torn unit from
+    `results.csv`, and return the complete units already there.
+
+    The manifest (`dlbfluid._manifest`) holds `cfg.to_json()` and the package version: a
+    different configuration or version is refused (`ValueError` naming each changed
+    field). A directory of a version without manifests holds `config.json` alone: it is
+    checked against `cfg` and, when equal, adopted (its version was not recorded) by
+    writing the manifest, so those directories keep resuming. `config.json` is still
+    written (summary readers and older versions read it).
+    """
+    labels = {
+        "experiment": "KIND",
+        "scenarios": "--scenarios",
+        "trials": "--trials",
+        "seed": "--seed",
+        "horizon": "--horizon",
+        "tick": "--tick",
+        "step_fraction": "--step-fraction",
+        "policies": "--policies",
+        "error_aversion": "--no-error-aversion",
+    }
     cpath = out / "config.json"
-    if cpath.exists():
-        old = json.loads(cpath.read_text())
-        if old != cfg.to_json():
-            diff = {k: (old.get(k), v) for k, v in cfg.to_json().items() if old.get(k) != v}
+    legacy = None
+    if not (out / MANIFEST).exists() and cpath.exists():
+        try:
+            legacy = json.loads(cpath.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(
-                f"out = {str(out)!r} is invalid: it holds a different experiment "
-                f"(changed: {diff}); resume with the same options or choose a new --out"
-            )
-    else:
+                f"--out = {str(out)!r} is invalid: its config.json is not an experiment's "
+                f"configuration ({e}); choose a new --out"
+            ) from None
+        if not isinstance(legacy, dict):
+            legacy = {"config.json": legacy}  # (reported as a change of every field)
+    resumed = open_manifest(
+        out, "experiment", cfg.to_json(), labels=labels, adopt=legacy, results=("results.csv",)
+    )
+    if not cpath.exists():
         cpath.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
     rpath = out / "results.csv"
     rows = _read_rows(rpath)
@@ -546,17 +539,20 @@ def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], lis
     torn = rpath.exists() and not rpath.read_text().endswith("\n")  # a half-written line
     if len(kept) != len(rows) or torn or not rpath.exists():
         _rewrite(rpath, kept)  # drop a torn unit (and write the header of a new file)
+    if resumed:
+        total = len(_variants(cfg.experiment)) * len(cfg.policies)
+        resume_note(out, len(done), total, "units")
     return done
 
 
-def _simulate_unit(cfg, batch, pol, eta, aversion, integrator):
+def _simulate_unit(cfg, batch, pol, eta, aversion, integrator, tick):
     from ._simulate import simulate
 
     return simulate(
         batch,
         pol,
-        step_size=eta[:, None],
-        tick=cfg.tick,
+        step_size=eta,
+        tick=tick,
         horizon=cfg.horizon,
         n_save=10,
         integrator=integrator,

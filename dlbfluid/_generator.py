@@ -350,7 +350,7 @@ class GeneratedScenarios:
 
     **Fields:**
     - `seed`, `indices` `(B,)`: scenario `b` is draw `indices[b]` of stream `seed`.
-    - `utilisation`, `duration_scale`: the options of `generate`.
+    - `utilisation`, `duration_scale`, `token_time_cv`: the options of `generate`.
     - `mask` `(B, n)`: real cells; `n_cells` `(B,)`.
     - `site` `(B, n)`: row of `load_sites()` (-1 for padding); `cell_names`, `region`
       `(B, n)`: object arrays of strings ("" for padding).
@@ -371,6 +371,7 @@ class GeneratedScenarios:
     indices: np.ndarray
     utilisation: float
     duration_scale: float
+    token_time_cv: float
     mask: np.ndarray
     n_cells: np.ndarray
     site: np.ndarray
@@ -433,6 +434,7 @@ def generate(
     max_cells: int = 10,
     utilisation: float = 0.8,
     duration_scale: float = 1.0,
+    token_time_cv: float = TOKEN_TIME_CV,
     start: int = 0,
 ) -> GeneratedScenarios:
     """Draw scenarios `start, ..., start+count-1` of stream `seed` (seed App. B).
@@ -440,7 +442,9 @@ def generate(
     Per scenario (theory/generator.md, *Draw*): $n \\sim U\\{$`min_cells`..`max_cells`$\\}$
     cells at distinct sites of a random subset of regions; $k_j = \\max(1,
     \\mathrm{Poisson}(10))$; $t_{p,j}, t_{d,j}$ log-normal with mean `PREFILL_TOKEN_TIME_S`,
-    `DECODE_TOKEN_TIME_S` and CV 0.2, divided by $y$ = `duration_scale`; the softplus model
+    `DECODE_TOKEN_TIME_S` and coefficient of variation `token_time_cv` (default
+    `TOKEN_TIME_CV` = 0.2; 0: identical hardware in every cell), divided by
+    $y$ = `duration_scale`; the softplus model
     of `server_service` scaled by $k_j$; buffer `buffer_size`; demand
     $\\lambda = \\rho\\sum_j\\bar\\mu_j\\,w$, $w \\sim \\mathrm{Dirichlet}(1,\\dots,1)$ with
     $\\rho$ = `utilisation`.
@@ -449,7 +453,8 @@ def generate(
     scenario in any batch. All scenarios are drawn in one jitted, vmapped call.
 
     **Raises:** `ValueError` naming the argument, for counts or cell numbers out of range,
-    `utilisation` outside (0, 1) or a non-positive `duration_scale`.
+    `utilisation` outside (0, 1), a non-positive `duration_scale` or a negative or
+    non-finite `token_time_cv`.
     """
     seed = _check_int("seed", seed, 0)
     if seed >= 2**63:
@@ -473,6 +478,15 @@ def generate(
         )
     rho = _check_positive("utilisation", utilisation, upper=1.0, upper_open=True)
     y = _check_positive("duration_scale", duration_scale)
+    if isinstance(token_time_cv, bool) or not (
+        isinstance(token_time_cv, (int, float))
+        and math.isfinite(token_time_cv)
+        and token_time_cv >= 0
+    ):
+        raise ValueError(
+            f"token_time_cv = {token_time_cv!r} is invalid: expected a finite number >= 0"
+        )
+    cv = float(token_time_cv)
 
     indices = np.arange(start, start + count, dtype=np.int64)
     width = 1 + sizes.shape[0] + 1 + n_sites + 5 * max_cells + 1
@@ -482,8 +496,8 @@ def generate(
     site = np.where(mask, site, -1).astype(np.int64)
     replicas = np.where(mask, replicas, 1).astype(np.int64)
 
-    sig = math.sqrt(math.log1p(TOKEN_TIME_CV**2))
-    lognormal = np.exp(sig * z - 0.5 * sig**2)  # mean 1, CV TOKEN_TIME_CV
+    sig = math.sqrt(math.log1p(cv**2))
+    lognormal = np.exp(sig * z - 0.5 * sig**2)  # mean 1, CV token_time_cv
     tp = PREFILL_TOKEN_TIME_S * lognormal[:, 0] / y
     td = DECODE_TOKEN_TIME_S * lognormal[:, 1] / y
     srv = server_service(tp, td)
@@ -512,6 +526,7 @@ def generate(
         indices=_readonly(indices),
         utilisation=rho,
         duration_scale=y,
+        token_time_cv=cv,
         mask=_readonly(mask),
         n_cells=_readonly(n.astype(np.int64)),
         site=_readonly(site),
@@ -754,7 +769,8 @@ def scenario_dicts(
                 "name": f"gen-s{gen.seed}-i{idx}-{event}-t{trial}",
                 "description": (
                     f"dlbfluid.generate(seed={gen.seed}) scenario {idx}: utilisation "
-                    f"{gen.utilisation:g}, duration scale {gen.duration_scale:g}, event "
+                    f"{gen.utilisation:g}, duration scale {gen.duration_scale:g}, token-time CV "
+                    f"{gen.token_time_cv:g}, event "
                     f"{event!r}, trial {trial}, fluctuation {fluctuation:g}, horizon "
                     f"{horizon:g} s"
                 ),

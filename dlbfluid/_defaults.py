@@ -1,0 +1,14 @@
+"""The paper's settings that several verbs share, in one place (jax-free).
+
+`PROBE_TICK`: the tick $h$ of the simulator is at once the routers' probe period, the
+period of their routing updates and the time a discrete decision is held (theory/
+evaluation.md, *Why the tick matters*). The seed's root routers "probe at a pre-specified
+frequency (e.g., once every few milliseconds)" (§3.1, *Probe client*); 5 ms is the default
+of `simulate`, `demo`, `experiment` and `verify`, on the command line and in Python. It is
+shorter than every feedback delay of the App.-B network but the self-arcs (2.5-86 ms one
+way), and the tick sweep (`dlbfluid experiment tick`) shows every policy's latency settled
+by then.
+"""
+
+PROBE_TICK = 0.005
+"""Default tick $h$ in seconds (probe, routing-update and decision-hold period)."""

@@ -1,0 +1,168 @@
+"""What an experiment is (seed App. B; theory/evaluation.md): its kinds and their variants,
+the step-size rules and the `ExperimentConfig` an experiment directory records. jax-free,
+so that the command line's `--help` lists the kinds without starting a backend; the runner
+is `dlbfluid._experiment`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ._defaults import PROBE_TICK
+from ._registry import BUILTIN_POLICIES
+from ._registry import POLICIES as _REGISTRY
+
+POLICIES = ("rand", "mnlb") + tuple(p for p in BUILTIN_POLICIES if p not in ("rand", "mnlb"))
+"""The default policies, baselines first (any registered policy may be named)."""
+UTILISATIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+"""Utilisations of the `utilization` kind (seed App. B.2, Figure 10(b))."""
+NOISE_LEVELS = (0.0, 0.1, 0.25, 0.5)
+"""Maximum multiplicative perturbations $\\epsilon$ of the `noise` kind (seed §5.4)."""
+HETEROGENEITY_CVS = (0.0, 0.1, 0.2, 0.4, 0.8)
+"""Coefficients of variation of the cells' token times in the `heterogeneity` kind (the
+generator's default, 0.2, is the seed's "20% standard deviation across cells"; 0 is the
+`homogeneous` kind)."""
+TICKS = (0.1, 0.05, 0.02, 0.01, 0.005, 0.002)
+"""Ticks $h$ (s) of the `tick` kind, on the baseline and on $y = 10$ scenarios."""
+TICK_DURATION_SCALE = 10.0
+"""The short-request ("sand") duration scaling of the `tick` kind's second family."""
+
+KINDS = (
+    "baseline",
+    "utilization",
+    "duration",
+    "burst",
+    "outage",
+    "spikes",
+    "noise",
+    "homogeneous",
+    "heterogeneity",
+    "tick",
+)
+"""Experiment kinds (`dlbfluid experiment KIND`)."""
+
+STEP_RULES = ("paper", "oracle")
+"""How flow routers set their step sizes (`ExperimentConfig.step_rule`)."""
+
+STEP_RULE_KAPPA = {"rif": 0.02, "latency": 0.02, "gradient": 0.02}
+"""$\\kappa$ of the paper's step-size rule per cost family, calibrated once on scenarios
+disjoint from the evaluation's (notebooks/calibrate_step_rule.py; the calibration's numbers
+are in notebooks/results/calibration.json and theory/evaluation.md, *Step sizes*)."""
+
+
+def variants(kind: str) -> list[tuple[str, dict]]:
+    """The `(label, options)` variants of an experiment kind. Options: `utilisation`,
+    `duration_scale`, `token_time_cv` (generator), `event` (App. B.3), `noise` or `fit`
+    (routers' models), `tick` (the variant's own tick)."""
+    from ._generator import DURATION_SCALES
+
+    if kind == "baseline":
+        return [("baseline", {})]
+    if kind == "utilization":
+        return [(f"u={u:g}", {"utilisation": u}) for u in UTILISATIONS]
+    if kind == "duration":
+        return [(f"y={y:g}", {"duration_scale": y}) for y in DURATION_SCALES]
+    if kind in ("burst", "outage", "spikes"):
+        return [(kind, {"event": kind})]
+    if kind == "noise":
+        return [(f"eps={e:g}", {"noise": e}) for e in NOISE_LEVELS] + [("fitted", {"fit": True})]
+    if kind == "homogeneous":
+        return [("homogeneous", {"token_time_cv": 0.0})]
+    if kind == "heterogeneity":
+        return [(f"cv={c:g}", {"token_time_cv": c}) for c in HETEROGENEITY_CVS]
+    if kind == "tick":
+        y = TICK_DURATION_SCALE
+        return [(f"h={1e3 * h:g}ms", {"tick": h}) for h in TICKS] + [
+            (f"y={y:g},h={1e3 * h:g}ms", {"tick": h, "duration_scale": y}) for h in TICKS
+        ]
+    raise ValueError(f"experiment = {kind!r} is invalid: allowed experiments are {list(KINDS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """What an experiment directory holds; a resumed run must match it exactly.
+
+    **Fields:** `experiment` (one of `KINDS`), `scenarios`, `trials`, `seed`, `horizon` (s),
+    `tick` (s; the paper's probe cadence `PROBE_TICK` by default; the `tick` kind's variants
+    set their own), `step_rule` (`"paper"`: router $i$ of a flow policy with cost $c$ takes
+    $\\eta_i = \\kappa_c/\\bar\\tau_i$, $\\bar\\tau_i$ the mean one-way delay to the cells it
+    may route to, $\\kappa_c$ = `STEP_RULE_KAPPA`; `"oracle"`: `step_fraction` times each
+    scenario's critical step size $\\eta^*$ linearised at the routers' model's equilibrium),
+    `step_fraction`, `policies`, `error_aversion` (every policy but MNLB uses
+    `ErrorAversion()`), `mnlb_error_aversion` (MNLB too; off by default: the paper's MNLB is
+    a separate, centralised system), `mnlb_period` (s) and `mnlb_cap` (MNLB's utilisation
+    cap), `fluctuation` (trial noise $\\sigma$), `utilisation` (of the base scenarios).
+    """
+
+    experiment: str
+    scenarios: int = 10
+    trials: int = 5
+    seed: int = 0
+    horizon: float = 600.0
+    tick: float = PROBE_TICK
+    step_rule: str = "paper"
+    step_fraction: float = 0.3
+    policies: tuple[str, ...] = POLICIES
+    error_aversion: bool = True
+    mnlb_error_aversion: bool = False
+    mnlb_period: float = 10.0
+    mnlb_cap: float = 0.9
+    fluctuation: float = 0.1
+    utilisation: float = 0.8
+
+    def __post_init__(self):
+        vs = variants(self.experiment)
+        for f in ("scenarios", "trials"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} = {v!r} is invalid: expected an integer >= 1")
+        for f in ("horizon", "tick", "mnlb_period"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{f} = {v!r} is invalid: expected a finite number > 0")
+        for label, opts in vs:
+            h = opts.get("tick", self.tick)
+            K = round(self.horizon / h)
+            if abs(K * h - self.horizon) > 1e-9 * self.horizon:
+                where = f" (variant {label})" if "tick" in opts else ""
+                raise ValueError(
+                    f"horizon = {self.horizon} is invalid: expected a multiple of tick = {h}{where}"
+                )
+        if self.step_rule not in STEP_RULES:
+            raise ValueError(
+                f"step_rule = {self.step_rule!r} is invalid: allowed rules are {list(STEP_RULES)}"
+            )
+        if not (0 < self.step_fraction <= 1):
+            raise ValueError(
+                f"step_fraction = {self.step_fraction!r} is invalid: expected 0 < value <= 1"
+            )
+        if not (0 < self.mnlb_cap <= 1):
+            raise ValueError(f"mnlb_cap = {self.mnlb_cap!r} is invalid: expected 0 < value <= 1")
+        if not (0 <= self.fluctuation < 1):
+            raise ValueError(
+                f"fluctuation = {self.fluctuation!r} is invalid: expected 0 <= value < 1"
+            )
+        if not (0 < self.utilisation < 1):
+            raise ValueError(
+                f"utilisation = {self.utilisation!r} is invalid: expected 0 < value < 1"
+            )
+        pols = tuple(self.policies)
+        for p in pols:
+            if p not in _REGISTRY:
+                raise ValueError(
+                    f"policies: {p!r} is invalid: allowed policies are {list(_REGISTRY.names())}"
+                )
+        if "rand" not in pols:
+            raise ValueError(
+                f"policies = {list(pols)} is invalid: 'rand' is required (latencies are "
+                "normalised by Rand's)"
+            )
+        if len(set(pols)) != len(pols):
+            raise ValueError(f"policies = {list(pols)} is invalid: duplicates")
+        object.__setattr__(self, "policies", pols)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["policies"] = list(self.policies)
+        return d
