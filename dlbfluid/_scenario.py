@@ -140,14 +140,49 @@ def _finite_number(field: str, value: Any, *, minimum=None, strict=False) -> flo
     return v
 
 
+PROFILE_KINDS = ("piecewise_linear", "piecewise_constant")
+"""Arrival-profile kinds; a profile without `kind` is `piecewise_linear`."""
+
+REPLICAS_MAX = 1_000_000
+"""Largest replica count of a cell (`replicas`, `replica_schedule`): counts are stored as
+floats and must stay exact integers in float32 (up to 2**24), and a million servers per
+cell is beyond any deployment the model describes (a larger number is a unit mistake)."""
+
+
+def _shape(value: Any) -> str:
+    """What a value that should be a matrix is, for messages: "2 rows of lengths [3, 3]"."""
+    if not isinstance(value, list):
+        return "null" if value is None else f"a {type(value).__name__}"
+    lengths = [len(r) if isinstance(r, list) else type(r).__name__ for r in value]
+    return f"{len(value)} rows of lengths {lengths}"
+
+
+def _matrix_error(field: str, value: Any, n: int, what: str) -> ScenarioError:
+    return ScenarioError(
+        f"{field} is invalid: expected a {n} x {n} matrix (one row per cell, one entry per "
+        f"cell) of {what}, got {_shape(value)}"
+    )
+
+
 def _parse_profile(field: str, value: Any) -> tuple[list[float], list[float]]:
+    """`(times, rates)` of a piecewise-linear interpolant from a rate or a profile.
+
+    A number is a constant rate. A profile `{"times", "rates", "kind"?}` is constant before
+    its first and after its last breakpoint; `kind` defaults to `"piecewise_linear"`
+    (linear between breakpoints; a time given twice is a jump, the first rate just before
+    it and the second just after), and `"piecewise_constant"` holds `rates[p]` on
+    `[times[p], times[p+1])` (times strictly increasing)."""
     if isinstance(value, dict):
         unknown = set(value) - {"times", "rates", "kind"}
         if unknown:
             raise _err(field, value, f"unknown keys {sorted(unknown)}; allowed: times, rates, kind")
         kind = value.get("kind", "piecewise_linear")
-        if kind not in ("piecewise_linear", "piecewise_constant"):
-            raise _err(f"{field}.kind", kind, "expected 'piecewise_linear' or 'piecewise_constant'")
+        if kind not in PROFILE_KINDS:
+            raise _err(
+                f"{field}.kind",
+                kind,
+                "expected 'piecewise_linear' (the default) or 'piecewise_constant'",
+            )
         times, rates = value.get("times"), value.get("rates")
         if not isinstance(times, list) or not isinstance(rates, list) or len(times) == 0:
             raise _err(field, value, "expected non-empty lists 'times' and 'rates'")
@@ -158,6 +193,20 @@ def _parse_profile(field: str, value: Any) -> tuple[list[float], list[float]]:
         for p in range(1, len(ts)):
             if ts[p] < ts[p - 1]:
                 raise _err(f"{field}.times", times, "times must be non-decreasing")
+            if kind == "piecewise_constant" and ts[p] == ts[p - 1]:
+                raise _err(
+                    f"{field}.times",
+                    times,
+                    f"time {ts[p]:g} is repeated: a piecewise_constant profile holds rates[p] "
+                    "from times[p] to times[p+1], so its times must be strictly increasing",
+                )
+            if p >= 2 and ts[p] == ts[p - 2]:
+                raise _err(
+                    f"{field}.times",
+                    times,
+                    f"time {ts[p]:g} appears more than twice: a piecewise_linear profile may "
+                    "repeat a time once, for a jump (the rate just before, then just after)",
+                )
         if kind == "piecewise_constant":
             # rate r_p on [t_p, t_{p+1}): duplicate each interior breakpoint into a jump.
             t2, r2 = [ts[0]], [rs[0]]
@@ -208,8 +257,17 @@ def _parse_replica_schedule(field: str, cell: dict, k: float) -> tuple[list, lis
         _finite_number(f"{field}.replicas[{q}]", c, minimum=0.0, strict=True)
         for q, c in enumerate(counts)
     ]
-    if any(b < a for a, b in zip(ts, ts[1:])):
-        raise _err(f"{field}.times", times, "times must be non-decreasing")
+    for q, c in enumerate(ks):
+        if c > REPLICAS_MAX:
+            raise _err(
+                f"{field}.replicas[{q}]", counts[q], f"expected a number in (0, {REPLICAS_MAX}]"
+            )
+    if any(b <= a for a, b in zip(ts, ts[1:])):
+        raise _err(
+            f"{field}.times",
+            times,
+            "times must be strictly increasing (replicas[q] holds from times[q] to times[q+1])",
+        )
     return ts, ks
 
 
@@ -237,6 +295,8 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     name = data.get("name", "scenario")
     if not isinstance(name, str):
         raise _err("name", name, "expected a string")
+    if not isinstance(data.get("description", ""), str):
+        raise _err("description", data["description"], "expected a string")
     cells = data.get("cells")
     if not isinstance(cells, list) or len(cells) == 0:
         raise _err("cells", cells, "expected a non-empty list of cell objects")
@@ -258,8 +318,14 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
             raise _err(f"{f}.arrival_rate", None, "required: a rate >= 0 or a profile")
         profiles.append(_parse_profile(f"{f}.arrival_rate", cell["arrival_rate"]))
         k = cell.get("replicas", 1)
-        if isinstance(k, bool) or not isinstance(k, (int, float)) or k != int(k) or k < 1:
-            raise _err(f"{f}.replicas", k, "expected an integer >= 1")
+        if (
+            isinstance(k, bool)
+            or not isinstance(k, (int, float))
+            or not math.isfinite(k)
+            or k != int(k)
+            or not 1 <= k <= REPLICAS_MAX
+        ):
+            raise _err(f"{f}.replicas", k, f"expected an integer >= 1 (at most {REPLICAS_MAX})")
         replicas.append(float(k))
         services.append(_parse_service(f"{f}.service", cell.get("service")))
         if "estimated_service" in cell:
@@ -281,16 +347,8 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
         or len(lat) != n
         or any(not isinstance(row, list) or len(row) != n for row in lat)
     ):
-        shape = (
-            (len(lat), [len(r) if isinstance(r, list) else None for r in lat])
-            if isinstance(lat, list)
-            else type(lat).__name__
-        )
-        raise _err(
-            "latency",
-            shape,
-            f"expected an {n} x {n} matrix (one row per cell) of "
-            "one-way latencies in seconds, null for a forbidden arc",
+        raise _matrix_error(
+            "latency", lat, n, "one-way latencies in seconds, null for a forbidden arc"
         )
     tau = np.zeros((n, n))
     allowed = np.zeros((n, n), dtype=bool)
@@ -322,7 +380,11 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     if "workload" in initial:
         w = initial["workload"]
         if not isinstance(w, list) or len(w) != n:
-            raise _err("initial.workload", w, f"expected a list of {n} workloads >= 0")
+            got = f"{len(w)} entries" if isinstance(w, list) else _shape(w)
+            raise ScenarioError(
+                f"initial.workload is invalid: expected a list of {n} workloads >= 0 (one per "
+                f"cell), got {got}"
+            )
         N0 = np.array(
             [_finite_number(f"initial.workload[{j}]", v, minimum=0.0) for j, v in enumerate(w)]
         )
@@ -336,7 +398,9 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
             or len(r) != n
             or any(not isinstance(row, list) or len(row) != n for row in r)
         ):
-            raise _err("initial.routing", r, f"expected an {n} x {n} matrix")
+            raise _matrix_error(
+                "initial.routing", r, n, "routing probabilities (each row sums to 1)"
+            )
         x0 = np.array(
             [
                 [
@@ -498,56 +562,93 @@ def _max_flow(cap: np.ndarray, s: int, t: int) -> tuple[float, np.ndarray]:
     return total, parent >= 0
 
 
+def _limits(times: np.ndarray, rates: np.ndarray, t: float) -> tuple[float, float]:
+    """The rate of one piecewise-linear profile just before and just after `t` (they
+    differ at a jump: a time given twice, first with the rate before it)."""
+    at = np.nonzero(times == t)[0]
+    if at.size:
+        return float(rates[at[0]]), float(rates[at[-1]])
+    v = float(np.interp(t, times, rates))
+    return v, v
+
+
 def check_capacity(scn: Scenario, *, rel_margin: float = 1e-9) -> None:
     """Raise `OverloadError` unless some routing serves every arrival profile's demand
     strictly within capacity (Assumption 2), at every breakpoint of the profiles.
 
     Max-flow from the origins (capacity $\\lambda_i$) over allowed arcs to the cells
-    (capacity $\\bar\\mu_j(1-\\epsilon)$); a minimum cut names the overloaded cells.
+    (capacity $\\bar\\mu_j(1-\\epsilon)$, $\\epsilon$ = `rel_margin`); a minimum cut names
+    the overloaded cells. The demand is piecewise linear between the breakpoints of all
+    profiles and the feasible demands are a convex set, so checking the rates just before
+    and just after every breakpoint checks every time. Rates are scaled by the largest
+    arrival rate first (and capacities capped at the total demand, which no cut can
+    exceed), so the test's tolerances are relative to the demand whatever the capacities:
+    a capacity of 1e20 next to an arrival rate of 1 is feasible. Zero demand is feasible.
     """
+    _check_capacity(scn, rel_margin=rel_margin)
+
+
+def _check_capacity(scn: Scenario, *, rel_margin: float = 1e-9, remedy: str | None = None):
+    """`check_capacity` whose message ends with `remedy` (what the caller can do instead;
+    default: the Python API's `allow_overload=True`)."""
+    if remedy is None:
+        remedy = (
+            "or pass allow_overload=True (scenario_from_dict, load_scenario) to simulate "
+            "overload on purpose."
+        )
     mask = np.asarray(scn.cell_mask)
     n = int(mask.sum())
     names = list(scn.cell_names) or [f"cell{j}" for j in range(n)]
     allowed = np.asarray(scn.allowed)[:n, :n]
-    mubar = np.asarray(scn.service.capacity)[:n]
-    times = np.unique(np.asarray(scn.arrival_times)[:n].ravel())
+    mubar = np.asarray(scn.service.capacity, dtype=float)[:n]
+    at = np.asarray(scn.arrival_times, dtype=float)[:n]
+    ar = np.asarray(scn.arrival_rates, dtype=float)[:n]
+    times = np.unique(at.ravel())
     for t in times:
-        lam = np.array(
-            [
-                np.interp(t, np.asarray(scn.arrival_times[i]), np.asarray(scn.arrival_rates[i]))
-                for i in range(n)
-            ]
-        )
-        demand = lam.sum()
-        if demand <= 0:
-            continue
-        V = 2 * n + 2
-        s, sink = 0, 2 * n + 1
-        cap = np.zeros((V, V))
-        cap[s, 1 : n + 1] = lam
-        big = 2.0 * demand + 1.0
-        cap[1 : n + 1, n + 1 : 2 * n + 1] = np.where(allowed, big, 0.0)
-        cap[n + 1 : 2 * n + 1, sink] = mubar * (1.0 - rel_margin)
-        flow, source_side = _max_flow(cap, s, sink)
-        if flow < demand * (1.0 - 1e-12):
-            # Min cut: origins still reachable from s whose reachable cells are saturated.
-            origins = [i for i in range(n) if source_side[1 + i] and lam[i] > 0]
-            cells = [j for j in range(n) if source_side[n + 1 + j]]
-            cut_demand = lam[origins].sum()
-            cut_cap = mubar[cells].sum()
-            when = "" if len(times) == 1 else f" at t = {t:g} s"
-            raise OverloadError(
-                "demand exceeds what any routing can serve within capacity (Assumption 2)"
-                f"{when}: origins {[names[i] for i in origins]} with total arrival rate "
-                f"{cut_demand:.6g} can only reach cells {[names[j] for j in cells]} with total "
-                f"capacity {cut_cap:.6g} (every cell must stay strictly below its capacity). "
-                "Lower the arrival rates, raise capacities, allow more arcs, or pass "
-                "allow_overload=True (--allow-overload) to simulate overload on purpose.",
-                cells=[names[j] for j in cells],
-                sources=[names[i] for i in origins],
-                demand=cut_demand,
-                capacity=cut_cap,
-            )
+        sides = np.array([_limits(at[i], ar[i], t) for i in range(n)]).T  # (before, after)
+        for lam in sides if not np.array_equal(sides[0], sides[1]) else sides[:1]:
+            _check_cut(lam, mubar, allowed, names, rel_margin, t, len(times) > 1, remedy)
+
+
+def _check_cut(lam, mubar, allowed, names, rel_margin, t, timed, remedy) -> None:
+    """Assumption 2 for one demand vector `lam` (see `check_capacity`)."""
+    n = lam.shape[0]
+    top = float(lam.max(initial=0.0))
+    if not top > 0:
+        return  # no demand: every routing serves it
+    # In units of the largest rate; a cell's capacity beyond the whole demand cannot bind.
+    lam_u = lam / top
+    demand = float(lam_u.sum())
+    served = np.minimum(mubar * (1.0 - rel_margin) / top, 2.0 * demand)
+    V = 2 * n + 2
+    s, sink = 0, 2 * n + 1
+    cap = np.zeros((V, V))
+    cap[s, 1 : n + 1] = lam_u
+    cap[1 : n + 1, n + 1 : 2 * n + 1] = np.where(allowed, 2.0 * demand + 1.0, 0.0)
+    cap[n + 1 : 2 * n + 1, sink] = served
+    flow, source_side = _max_flow(cap, s, sink)
+    if flow >= demand * (1.0 - 1e-12):
+        return
+    # Min cut: origins still reachable from s whose reachable cells are saturated.
+    origins = [i for i in range(n) if source_side[1 + i] and lam[i] > 0]
+    cells = [j for j in range(n) if source_side[n + 1 + j]]
+    if not origins:  # (a shortfall within the tolerances: report the whole network)
+        origins = [i for i in range(n) if lam[i] > 0]
+        cells = sorted({j for i in origins for j in np.nonzero(allowed[i])[0]})
+    cut_demand = float(lam[origins].sum())
+    cut_cap = float(mubar[cells].sum())
+    when = f" at t = {t:g} s" if timed else ""
+    raise OverloadError(
+        "demand exceeds what any routing can serve within capacity (Assumption 2)"
+        f"{when}: origins {[names[i] for i in origins]} with total arrival rate "
+        f"{cut_demand:.6g} can only reach cells {[names[j] for j in cells]} with total "
+        f"capacity {cut_cap:.6g} (every cell must stay strictly below its capacity). "
+        f"Lower the arrival rates, raise capacities or allow more arcs; {remedy}",
+        cells=[names[j] for j in cells],
+        sources=[names[i] for i in origins],
+        demand=cut_demand,
+        capacity=cut_cap,
+    )
 
 
 # ----------------------------------------------------------------------------------------

@@ -7,7 +7,14 @@ import math
 
 import numpy as np
 
-from ._common import emit_json, load_scenario_arg, positive_float, table
+from ._common import (
+    emit_json,
+    load_scenario_arg,
+    nonneg_float,
+    positive_float,
+    positive_int,
+    table,
+)
 
 
 def _costs() -> tuple[str, ...]:
@@ -26,7 +33,8 @@ def register(sub) -> None:
         "workloads, routing, multipliers, mean latency and KKT certificate of each, and "
         "the price of anarchy when all three are solved. SCENARIO is a JSON scenario "
         "file, or 'default' for the built-in 4-cell scenario. Demand that no routing can "
-        "serve within capacity is an error.",
+        "serve within capacity is an error. Without demand at --time, the mean latency and "
+        "the price of anarchy are undefined (null in JSON).",
     )
     p.add_argument("scenario", metavar="SCENARIO", help="scenario JSON file, or 'default'")
     p.add_argument(
@@ -44,35 +52,37 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--max-iters",
-        type=int,
+        type=positive_int("max-iters"),
         default=200,
         help="interior-point iteration cap (default 200)",
     )
     p.add_argument(
         "--time",
-        type=float,
+        type=nonneg_float("time"),
         default=0.0,
-        help="time t at which the arrival-rate profiles are evaluated (default 0)",
+        help="time t >= 0 in seconds at which the arrival-rate profiles are evaluated (default 0)",
     )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.set_defaults(func=run)
 
 
 def _fmt(v: float, digits: int = 6) -> str:
+    if math.isnan(v):
+        return "n/a"
     if not math.isfinite(v):
         return str(v)
     return f"{v:.{digits}g}"
 
 
 def run(args: argparse.Namespace) -> int:
+    """Solve and print. Zero demand at `--time` (every arrival rate 0) is not an error:
+    every routing then has social cost 0, so the equilibria are N = 0 and the mean latency
+    and the price of anarchy (a ratio of two zero costs) are undefined: null in JSON,
+    "n/a" / "undefined" in the text output."""
     from .._equilibrium import solve_equilibrium
     from .._results import RESULTS
 
-    if args.max_iters < 1:
-        raise ValueError(f"--max-iters = {args.max_iters} is invalid: expected an integer >= 1")
-    if not math.isfinite(args.time):
-        raise ValueError(f"--time = {args.time} is invalid: expected a finite number")
-    scn = load_scenario_arg(args.scenario)
+    scn = load_scenario_arg(args.scenario, command="equilibrium")
     costs = _costs() if args.cost == "all" else (args.cost,)
     sols = {
         c: solve_equilibrium(
@@ -80,15 +90,21 @@ def run(args: argparse.Namespace) -> int:
         )
         for c in costs
     }
+    at, ar = np.asarray(scn.arrival_times), np.asarray(scn.arrival_rates)
+    demand = sum(float(np.interp(args.time, at[i], ar[i])) for i in range(len(at)))
+    latency = {c: float(sols[c].mean_latency) if demand > 0 else math.nan for c in costs}
     records = []
     for c in costs:
         rec = sols[c].summary()
+        rec["mean_latency"] = latency[c]  # (no requests: no mean latency, null in JSON)
         records.append(rec)
     out: dict = {"scenario": scn.name, "cells": list(scn.cell_names), "equilibria": records}
     if args.cost == "all":
         opt = float(sols["gradient"].social_cost)
         out["price_of_anarchy"] = {
-            c: float(sols[c].social_cost) / opt for c in costs if c != "gradient"
+            c: (float(sols[c].social_cost) / opt if demand > 0 and opt != 0 else None)
+            for c in costs
+            if c != "gradient"
         }
     ok = all(int(s.status) == 0 for s in sols.values())
     if args.json:
@@ -101,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         [
             c,
             RESULTS.name(int(sols[c].status)),
-            _fmt(float(sols[c].mean_latency)),
+            _fmt(latency[c]),
             _fmt(float(sols[c].social_cost)),
             f"{float(sols[c].kkt_residual):.1e}",
             int(sols[c].iterations),
@@ -118,14 +134,23 @@ def run(args: argparse.Namespace) -> int:
         for j, name in enumerate(names)
     ]
     print(table(rows, header))
+    if not demand > 0:
+        print()
+        print(
+            f"no demand at t = {args.time:g} s (every arrival rate is 0): every routing costs "
+            "0, so the mean latency is undefined"
+        )
     if "price_of_anarchy" in out:
         poa = out["price_of_anarchy"]
         print()
-        print(
-            "price of anarchy: "
-            + ", ".join(f"{c} {v:.6f}" for c, v in poa.items())
-            + " (social cost over the social optimum's)"
-        )
+        if any(v is None for v in poa.values()):
+            print("price of anarchy: undefined (the social optimum costs 0)")
+        else:
+            print(
+                "price of anarchy: "
+                + ", ".join(f"{c} {v:.6f}" for c, v in poa.items())
+                + " (social cost over the social optimum's)"
+            )
     if not ok:
         print("warning: some equilibria did not reach the KKT tolerance (status above)")
     return 0 if ok else 1

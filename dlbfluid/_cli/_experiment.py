@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
-import sys
+from ._common import (
+    add_process_options,
+    check_out_dir_on_main,
+    emit_json,
+    fraction,
+    positive_float,
+    positive_int,
+    seed_int,
+    table,
+)
 
-from ._common import add_process_options, emit_json, positive_float, table
+# ExperimentConfig's fields that are command-line options, for its messages.
+_FLAGS = {
+    "scenarios": "--scenarios",
+    "trials": "--trials",
+    "seed": "--seed",
+    "horizon": "--horizon",
+    "tick": "--tick",
+    "step_fraction": "--step-fraction",
+    "step_rule": "--step-rule",
+    "policies": "--policies",
+}
 
 
 def register(sub) -> None:
-    from .._experiment import KINDS, POLICIES
+    from .._defaults import PROBE_TICK
+    from .._experiment_config import KINDS, POLICIES, STEP_RULES
     from .._registry import POLICIES as REGISTERED
 
     p = sub.add_parser(
@@ -22,9 +42,18 @@ def register(sub) -> None:
         "rerun with the same DIR resumes. DIR also gets summary.csv, summary.json and a plot.",
     )
     p.add_argument("kind", choices=KINDS, help="which experiment")
-    p.add_argument("--scenarios", type=int, default=10, help="scenarios per variant (default 10)")
-    p.add_argument("--trials", type=int, default=5, help="trials per scenario (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="random stream (default 0)")
+    p.add_argument(
+        "--scenarios",
+        type=positive_int("scenarios"),
+        default=10,
+        help="scenarios per variant (default 10)",
+    )
+    p.add_argument(
+        "--trials", type=positive_int("trials"), default=5, help="trials per scenario (default 5)"
+    )
+    p.add_argument(
+        "--seed", type=seed_int(), default=0, help="random stream, in [0, 2**63) (default 0)"
+    )
     p.add_argument(
         "--out", metavar="DIR", default=None, help="output directory (default experiment-KIND)"
     )
@@ -37,14 +66,23 @@ def register(sub) -> None:
     p.add_argument(
         "--tick",
         type=positive_float("tick"),
-        default=0.05,
-        help="probe tick in seconds (default 0.05)",
+        default=PROBE_TICK,
+        help=f"probe tick in seconds (default {PROBE_TICK:g}, the paper's probe cadence; the "
+        "tick kind sweeps its own)",
+    )
+    p.add_argument(
+        "--step-rule",
+        choices=STEP_RULES,
+        default="paper",
+        help="flow step sizes: paper = kappa / (mean one-way delay seen by the router), kappa "
+        "calibrated per cost family (seed App. B); oracle = --step-fraction x each scenario's "
+        "critical eta* from the routers' model (default paper)",
     )
     p.add_argument(
         "--step-fraction",
-        type=positive_float("step-fraction"),
+        type=fraction("step-fraction"),
         default=0.3,
-        help="flow step size as a fraction of each scenario's eta* (default 0.3)",
+        help="with --step-rule oracle: the fraction of eta*, in (0, 1] (default 0.3)",
     )
     p.add_argument(
         "--policies",
@@ -59,31 +97,66 @@ def register(sub) -> None:
         action="store_true",
         help="roots do not shift traffic away from failing cells",
     )
+    p.add_argument(
+        "--mnlb-error-aversion",
+        action="store_true",
+        help="give MNLB DLB's error aversion too (default: none; the paper's MNLB is a "
+        "separate, centralised system)",
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--no-progress", action="store_true", help="never show progress")
     add_process_options(p)
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from .._experiment import ExperimentConfig, run_experiment
+def _config(args):
+    """The `ExperimentConfig` of the options; its refusals name the options."""
+    from .._experiment_config import ExperimentConfig
 
-    cfg = ExperimentConfig(
-        experiment=args.kind,
-        scenarios=args.scenarios,
-        trials=args.trials,
-        seed=args.seed,
-        horizon=args.horizon,
-        tick=args.tick,
-        step_fraction=args.step_fraction,
-        policies=tuple(args.policies),
-        error_aversion=not args.no_error_aversion,
-    )
+    pols = list(args.policies)
+    if "rand" not in pols:
+        raise ValueError(
+            f"--policies = {pols} is invalid: 'rand' is required (latencies are normalised "
+            "by Rand's)"
+        )
+    dup = sorted({p for p in pols if pols.count(p) > 1})
+    if dup:
+        raise ValueError(f"--policies = {pols} is invalid: {dup} named twice; expected each once")
+    try:
+        return ExperimentConfig(
+            experiment=args.kind,
+            scenarios=args.scenarios,
+            trials=args.trials,
+            seed=args.seed,
+            horizon=args.horizon,
+            tick=args.tick,
+            step_rule=args.step_rule,
+            step_fraction=args.step_fraction,
+            policies=tuple(args.policies),
+            error_aversion=not args.no_error_aversion,
+            mnlb_error_aversion=args.mnlb_error_aversion,
+        )
+    except ValueError as e:
+        msg = str(e)
+        field = msg.split(" ", 1)[0].rstrip(":")
+        if field in _FLAGS:
+            msg = _FLAGS[field] + msg[len(field) :]
+        raise ValueError(msg) from None
+
+
+def run(args) -> int:
+    """Options, then `--out`, are checked before anything is drawn or simulated. Progress
+    goes to stderr unless `--no-progress`: redrawn on a terminal, otherwise one line every
+    10 s (a log file)."""
+    from .._experiment import run_experiment
+
+    cfg = _config(args)
     out = args.out or f"experiment-{args.kind}"
+    check_out_dir_on_main(args, out)
     res = run_experiment(
         cfg,
         out,
-        progress=not args.no_progress and sys.stderr.isatty(),
+        progress=not args.no_progress,
         processes=getattr(args, "processes", None),
     )
     if res is None:  # not process 0: it prints and writes the merged results

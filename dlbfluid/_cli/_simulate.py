@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from ._common import (
     add_process_options,
     add_run_options,
+    check_out_dir,
+    check_whole_ticks,
     emit_json,
+    fraction,
     load_scenario_arg,
     positive_float,
+    positive_int,
+    step_size_warning,
+    warn,
     write_json,
 )
 
@@ -29,7 +35,7 @@ def add_integrator_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--substeps",
-        type=int,
+        type=positive_int("substeps"),
         default=None,
         help="RK4 steps per tick for --integrator fast (default: chosen from the cells' "
         "time scale, one step at millisecond ticks)",
@@ -76,14 +82,14 @@ def register(sub) -> None:
     add_run_options(p, horizon=100.0)
     p.add_argument(
         "--window",
-        type=float,
+        type=fraction("window"),
         default=0.5,
         help="fraction of the horizon, at its end, over which mean latency and "
         "throughput are averaged (default 0.5)",
     )
     p.add_argument(
         "--n-save",
-        type=int,
+        type=positive_int("n-save"),
         default=200,
         help="number of save intervals of the trajectory (default 200)",
     )
@@ -102,13 +108,34 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from .._simulate import simulate
+def _latency_text(summary: dict) -> str:
+    """The mean latency, or why there is none: no request arrived in the window (zero
+    demand), or every one was dropped."""
+    lat = summary["mean_latency"]
+    if math.isfinite(lat) or summary["status"] != "success":
+        return f"{lat:.6g} s"
+    err = summary["error_rate"]
+    if not math.isfinite(err):
+        return "n/a (no arrivals in the window)"
+    return "n/a (every arrival in the window was dropped)"
 
+
+def run(args) -> int:
+    """Every option, the scenario and `--out` are checked before the simulation starts
+    (exit status 2). With zero demand over the averaging window the mean latency is
+    undefined: null in JSON, "n/a (no arrivals in the window)" in the text output."""
     procs = getattr(args, "processes", None)
     if procs is not None and not procs.main:
         return 0  # one scenario: process 0 simulates it, the others wait (`finish`)
-    scn = load_scenario_arg(args.scenario, allow_overload=args.allow_overload)
+    check_whole_ticks(args.horizon, args.tick)
+    scn = load_scenario_arg(args.scenario, allow_overload=args.allow_overload, command="simulate")
+    out = check_out_dir(args.out)
+    from .._policies import FlowRouting, policy_from_name
+    from .._simulate import simulate
+
+    note = step_size_warning(args.step_size, args.tick)
+    if note and isinstance(policy_from_name(args.policy), FlowRouting):
+        warn("simulate", note)
     n_save = min(args.n_save, max(1, int(round(args.horizon / args.tick))))
     ticks = args.horizon / args.tick
     show = not args.no_progress and (sys.stderr.isatty() or ticks > 20000)
@@ -129,9 +156,7 @@ def run(args) -> int:
     summary["scenario"] = scn.name
     summary["step_size"] = args.step_size
     summary["wall_s"] = wall
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         np.savez(out / "trajectory.npz", **sol.to_numpy())
         write_json(out / "summary.json", summary)
         from .._plot import plot_trajectories
@@ -146,7 +171,7 @@ def run(args) -> int:
             f"scenario {scn.name!r}, policy {args.policy}, eta {args.step_size}, "
             f"tick {args.tick} s, horizon {summary['horizon']} s, status {summary['status']}"
         )
-        print(f"mean end-to-end latency (last {args.window:.0%}): {summary['mean_latency']:.6g} s")
+        print(f"mean end-to-end latency (last {args.window:.0%}): {_latency_text(summary)}")
         for j in range(n):
             print(
                 f"  {names[j]:>14}: N(T) = {summary['final']['N'][j]:10.5g}   "

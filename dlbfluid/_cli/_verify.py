@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import sys
 
-from ._common import add_process_options, emit_json, positive_float, table
+from .._defaults import PROBE_TICK
+from ._common import (
+    add_process_options,
+    check_min_max,
+    check_out_dir_on_main,
+    check_whole_ticks,
+    emit_json,
+    int_in,
+    positive_float,
+    positive_int,
+    seed_int,
+    table,
+)
 
 
 def register(sub) -> None:
@@ -18,16 +30,27 @@ def register(sub) -> None:
         "With --out, results are appended to DIR/results.jsonl as they are computed and a "
         "rerun with the same DIR resumes where a killed run stopped.",
     )
-    p.add_argument("--scenarios", type=int, default=64, help="number of scenarios (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="random stream (default 0)")
+    p.add_argument(
+        "--scenarios",
+        type=positive_int("scenarios"),
+        default=64,
+        help="number of scenarios (default 64)",
+    )
+    p.add_argument(
+        "--seed", type=seed_int(), default=0, help="random stream, in [0, 2**63) (default 0)"
+    )
     p.add_argument(
         "--chunk",
-        type=int,
+        type=positive_int("chunk"),
         default=32,
         help="scenarios per compiled batch and per write (default 32)",
     )
-    p.add_argument("--min-cells", type=int, default=2, help="fewest cells (default 2)")
-    p.add_argument("--max-cells", type=int, default=6, help="most cells (default 6)")
+    p.add_argument(
+        "--min-cells", type=int_in("min-cells", 2), default=2, help="fewest cells (default 2)"
+    )
+    p.add_argument(
+        "--max-cells", type=int_in("max-cells", 2), default=6, help="most cells (default 6)"
+    )
     p.add_argument(
         "--horizon",
         type=positive_float("horizon"),
@@ -37,8 +60,8 @@ def register(sub) -> None:
     p.add_argument(
         "--tick",
         type=positive_float("tick"),
-        default=0.05,
-        help="probe tick h in seconds (default 0.05)",
+        default=PROBE_TICK,
+        help=f"probe tick h in seconds (default {PROBE_TICK:g}, the paper's probe cadence)",
     )
     p.add_argument(
         "--step-fraction",
@@ -62,13 +85,9 @@ def register(sub) -> None:
 def run(args) -> int:
     from .._verify import verify
 
-    if args.scenarios < 1 or args.chunk < 1:
-        raise ValueError(f"--scenarios = {args.scenarios}, --chunk = {args.chunk}: expected >= 1")
-    if not 2 <= args.min_cells <= args.max_cells:
-        raise ValueError(
-            f"--min-cells = {args.min_cells}, --max-cells = {args.max_cells}: "
-            "expected 2 <= min <= max"
-        )
+    check_min_max(args.min_cells, args.max_cells, "--min-cells", "--max-cells")
+    check_whole_ticks(args.horizon, args.tick)
+    check_out_dir_on_main(args, args.out)
     res = verify(
         args.scenarios,
         args.seed,

@@ -308,16 +308,26 @@ def price_of_anarchy(scenario: Scenario, **kwargs) -> dict:
 
     $\\mathrm{PoA}_c = C(x^c)/C(x^{grad})$ with the social cost
     $C(x) = \\sum_jN_j + \\sum_{ij}2\\tau_{ij}\\lambda_ix_{ij}$ (theory/equilibria.md §5).
+    Without demand (every $\\lambda_i = 0$ at `time`) every routing costs $C = 0$ and the
+    ratio is undefined: it is NaN for that scenario (`dlbfluid equilibrium` prints
+    "undefined" and writes null).
 
     **Arguments:** `scenario` (unbatched or batched) and the keyword options of
     `solve_equilibrium`.
 
-    **Returns:** `{"latency": ratio, "rif": ratio, "equilibria": {cost: EquilibriumSolution}}`.
+    **Returns:** `{"latency": ratio, "rif": ratio, "equilibria": {cost: EquilibriumSolution}}`
+    (a ratio is NaN where the social optimum's cost is 0).
     """
     sols = {c: solve_equilibrium(scenario, c, **kwargs) for c in ("gradient", "latency", "rif")}
-    opt = sols["gradient"].social_cost
+    opt = jnp.asarray(sols["gradient"].social_cost)
+    defined = opt > 0
+    safe = jnp.where(defined, opt, 1.0)
+
+    def ratio(c):
+        return jnp.where(defined, jnp.asarray(sols[c].social_cost) / safe, jnp.nan)
+
     return {
-        "latency": sols["latency"].social_cost / opt,
-        "rif": sols["rif"].social_cost / opt,
+        "latency": ratio("latency"),
+        "rif": ratio("rif"),
         "equilibria": sols,
     }
