@@ -154,3 +154,22 @@ def test_runner_gives_each_policy_its_aversion_tick_and_step_sizes(
     mask = np.asarray(batch.cell_mask)
     mean = (paper * mask).sum(1) / mask.sum(1)
     assert math.isclose(float(rows[0]["step_size"]), mean[0], rel_tol=1e-5)
+
+
+def test_step_rule_kappa_is_the_recorded_calibration():
+    """`STEP_RULE_KAPPA` is what notebooks/calibrate_step_rule.py chose and recorded, and
+    the recorded choice follows the script's rule from the recorded curve."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "results" / "calibration.json"
+    rec = json.loads(path.read_text())
+    assert rec["seed"] != 0 and rec["tick"] == PROBE_TICK  # disjoint from the evaluation
+    assert set(rec["policies"]) == {"flow-rif", "flow-lat", "flow-grad"}
+    for pol, r in rec["policies"].items():
+        assert STEP_RULE_KAPPA[r["cost"]] == pytest.approx(r["kappa"], rel=1e-12), pol
+        lat = np.array(r["normalized_latency"], float)
+        ok = np.array(r["failed"]) == 0
+        best = np.min(lat[ok])
+        first = np.flatnonzero(ok & (lat <= best * (1 + rec["tolerance"])))[0]
+        assert rec["ladder"][first] == pytest.approx(r["kappa"], rel=1e-12), pol
