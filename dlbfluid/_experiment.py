@@ -31,6 +31,7 @@ from ._experiment_config import STEP_RULE_KAPPA, ExperimentConfig
 from ._experiment_config import variants as _variants
 from ._integrators import Fast
 from ._manifest import MANIFEST, open_manifest, resume_note
+from ._plot import plot_summary as plot_summary
 from ._policies import MNLB, FlowRouting, policy_from_name
 from ._progress import Progress
 from ._scenario import scenario_from_dict, stack_scenarios
@@ -309,47 +310,6 @@ def summarise(rows: list[dict], policies=POLICIES) -> list[dict]:
                 }
             )
     return out
-
-
-def plot_summary(summary: list[dict], path, title: str = "") -> None:
-    """Normalised mean latency (with the 10-90% spread) and error rate per policy and
-    variant, one panel each."""
-    # A bare Figure: no pyplot state, so the caller's backend (e.g. inline) is untouched.
-    from matplotlib.figure import Figure
-
-    variants = list(dict.fromkeys(s["variant"] for s in summary))
-    policies = list(dict.fromkeys(s["policy"] for s in summary))
-    fig = Figure(figsize=(12, 4.2))
-    axes = fig.subplots(1, 2)
-    width = 0.8 / max(len(policies), 1)
-    xs = np.arange(len(variants))
-    for k, p in enumerate(policies):
-        rows = {s["variant"]: s for s in summary if s["policy"] == p}
-
-        def col(key, rows=rows):
-            vals = [rows.get(v, {}).get(key) for v in variants]
-            return np.array([np.nan if x is None else x for x in vals], dtype=float)
-
-        m, lo, hi = (
-            col("normalized_latency"),
-            col("normalized_latency_p10"),
-            col("normalized_latency_p90"),
-        )
-        e = col("error_rate")
-        off = xs + (k - (len(policies) - 1) / 2) * width
-        axes[0].bar(off, m, width, label=p)
-        axes[0].errorbar(off, m, yerr=[m - lo, hi - m], fmt="none", ecolor="k", lw=0.8)
-        axes[1].bar(off, 100 * e, width, label=p)
-    for ax, lab in zip(axes, ("mean latency / Rand's", "errors (% of requests)")):
-        ax.set_xticks(xs, variants)
-        ax.set_ylabel(lab)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].axhline(1.0, color="k", lw=0.8)
-    axes[0].legend(fontsize=7, ncol=2)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 # ----------------------------------------------------------------------------------------

@@ -58,15 +58,76 @@ def test_simulate_text_and_errors(scenario_file, capsys):
         main(["simulate", str(scenario_file), "--step-size", "-2"])
 
 
-def test_demo_runs_all_policies(tmp_path, capsys):
-    rc = main(["demo", "--horizon", "20", "--tick", "0.1", "--out", str(tmp_path), "--json"])
+# README's contract of `dlbfluid demo --json`: keys are added, never renamed.
+DEMO_KEYS = {"scenario", "cells", "step_size", "tick", "horizon", "optimal_mean_latency",
+             "policies", "png", "wall_s"}
+DEMO_POLICY_KEYS = {"policy", "mean_latency", "distance", "distance_to", "oscillation",
+                    "status", "final"}
+
+
+def test_demo_defaults_to_every_policy(tmp_path):
+    from dlbfluid._cli import build_parser
+    from dlbfluid._cli._demo import _check_args
+
+    names, _, out = _check_args(build_parser().parse_args(["demo", "--out", str(tmp_path)]))
+    assert names == ("disc-rif", "disc-lat", "disc-grad", "flow-rif", "flow-lat", "flow-grad",
+                     "rand", "mnlb")
+    assert out == tmp_path
+
+
+def test_demo_runs_both_mechanisms_and_the_baselines(tmp_path, capsys):
+    # A discrete and a flow policy of one cost (one equilibrium to solve), Rand and MNLB:
+    # every kind of row and panel of the default run at half its compiling (the default
+    # list of policies is checked above).
+    rc = main(["demo", "--horizon", "20", "--tick", "0.1", "--out", str(tmp_path), "--json",
+               "--policies", "disc-grad", "flow-grad", "rand", "mnlb"])
     assert rc == 0
-    res = json.loads(capsys.readouterr().out)
-    pols = [p["policy"] for p in res["policies"]]
-    assert pols == ["disc-rif", "disc-lat", "disc-grad", "flow-rif", "flow-lat", "flow-grad",
-                    "rand"]
+    captured = capsys.readouterr()
+    res = json.loads(captured.out)
+    assert DEMO_KEYS <= set(res) and all(DEMO_POLICY_KEYS <= set(p) for p in res["policies"])
+    assert [p["policy"] for p in res["policies"]] == ["disc-grad", "flow-grad", "rand", "mnlb"]
     assert all(p["status"] == "success" for p in res["policies"])
-    # Nothing beats the social optimum's steady-state latency by more than transients allow.
-    assert res["optimal_mean_latency"] > 0
+    assert res["mnlb"] == {"update_period": 10.0, "utilisation_cap": 0.9}
+    # Each policy with a cost is measured from that cost's equilibrium, which the JSON holds.
+    for p in res["policies"]:
+        if p["cost"] is None:
+            assert p["distance_to"] == "previous tick"
+        else:
+            assert p["distance_to"] == f"N* ({p['cost']})"
+            assert len(res["equilibria"][p["cost"]]["N"]) == 4
+    assert res["optimal_mean_latency"] == res["equilibria"]["gradient"]["mean_latency"] > 0
+    assert "[5/5] simulating mnlb" in captured.err  # progress: a line per equilibrium, policy
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "demo.json").read_text())["scenario"] == "default-4cell"
+
+
+class Worked(Exception):
+    """Raised by a stand-in for the demo's first piece of work."""
+
+
+def test_demo_checks_its_arguments_before_any_work(tmp_path, capsys, monkeypatch):
+    import dlbfluid._equilibrium
+    import dlbfluid._simulate
+
+    def no_work(*args, **kwargs):
+        raise Worked
+
+    monkeypatch.setattr(dlbfluid._simulate, "simulate", no_work)
+    monkeypatch.setattr(dlbfluid._equilibrium, "solve_equilibrium", no_work)
+    out = tmp_path / "new"
+    assert main(["demo", "--tick", "0.1", "--horizon", "10.03", "--out", str(out)]) == 2
+    assert "--horizon = 10.03 is invalid" in capsys.readouterr().err
+    assert not out.exists()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["demo", "--out", str(afile)]) == 2
+    assert "existing file" in capsys.readouterr().err
+    (tmp_path / "taken" / "demo.json").mkdir(parents=True)
+    assert main(["demo", "--out", str(tmp_path / "taken")]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["demo", "--out", str(out), "--policies", "rand", "rand"]) == 2
+    assert "named twice" in capsys.readouterr().err
+    # Valid arguments reach the work (here the stand-in), after the step-size warning.
+    with pytest.raises(Worked):
+        main(["demo", "--out", str(out), "--step-size", "100", "--tick", "0.05"])
+    assert "warning: --step-size = 100" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""`dlbfluid demo`: the six DLB policies and weighted random on the built-in scenario."""
+"""`dlbfluid demo`: the six DLB policies, weighted random and MNLB on the built-in
+scenario."""
 
 from __future__ import annotations
 
@@ -8,26 +9,71 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import add_run_options, emit_json, table, write_json
+from ._common import (
+    add_run_options,
+    check_out_dir,
+    check_whole_ticks,
+    emit_json,
+    step_size_warning,
+    table,
+    warn,
+    write_json,
+)
+
+# MNLB's optimiser settings: those of the experiments' default (`ExperimentConfig`).
+MNLB_UPDATE_PERIOD = 10.0
+MNLB_UTILISATION_CAP = 0.9
+_WINDOW = 0.25  # the fraction of the horizon, at its end, of the reported mean latency
+_MAX_SAVES = 400
 
 
 def _demo_policies() -> tuple[str, ...]:
-    """Every registered policy that needs no precomputed schedule (MNLB's optimiser is the
-    exception), in registry order."""
+    """Every registered policy, in registry order."""
     from .._registry import POLICIES
 
-    return tuple(p for p in POLICIES.names() if p != "mnlb")
+    return POLICIES.names()
+
+
+def _make_policy(name: str):
+    from .._policies import MNLB, policy_from_name
+
+    pol = policy_from_name(name)
+    if isinstance(pol, MNLB):
+        pol = MNLB(update_period=MNLB_UPDATE_PERIOD, utilisation_cap=MNLB_UTILISATION_CAP)
+    return pol
+
+
+def _plot_order(names) -> tuple[list[str], int]:
+    """The panels' order and columns: discrete routing and weighted random on one row,
+    flow routing and MNLB on the next (so a column is a cost), then anything else."""
+    disc = [p for p in names if p.startswith("disc-")] + [p for p in names if p == "rand"]
+    flow = [p for p in names if p.startswith("flow-")] + [p for p in names if p == "mnlb"]
+    rest = [p for p in names if p not in disc and p not in flow]
+    order = disc + flow + rest
+    return order, max(len(disc), len(flow), 1)
 
 
 def register(sub) -> None:
+    from .._registry import POLICIES
+
     p = sub.add_parser(
         "demo",
         help="compare all policies on the built-in heterogeneous 4-cell scenario",
-        description="Simulate disc-/flow- x rif/lat/grad and weighted random routing on the "
-        "built-in 4-cell scenario (unequal latencies, one residency restriction), print a "
-        "table and write a PNG of the trajectories.",
+        description="Simulate disc-/flow- x rif/lat/grad, weighted random and MNLB routing "
+        "on the built-in 4-cell scenario (unequal latencies, one residency restriction), "
+        "print a table and write a PNG of the trajectories with each policy's mean latency "
+        "and equilibrium. Most of its first run goes to compiling one program per policy "
+        "and per cost (later runs load them from the compilation cache).",
     )
     add_run_options(p, horizon=400.0)
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        metavar="POLICY",
+        choices=POLICIES.names(),
+        default=None,
+        help="policies to show (default: all registered, " + ", ".join(POLICIES.names()) + ")",
+    )
     p.add_argument(
         "--out",
         metavar="DIR",
@@ -38,41 +84,77 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _equilibria(scn, costs):
-    from .._equilibrium import solve_equilibrium
-
-    return {c: solve_equilibrium(scn, c) for c in costs}
+def _check_args(args) -> tuple[tuple[str, ...], int, Path]:
+    """Every check that can fail, before any work: `(policies, ticks, out directory)`."""
+    names = _demo_policies() if args.policies is None else tuple(args.policies)
+    dup = sorted({p for p in names if names.count(p) > 1})
+    if dup:
+        raise ValueError(
+            f"--policies = {list(names)} is invalid: {dup} named twice; expected each once"
+        )
+    K = check_whole_ticks(args.horizon, args.tick)
+    out = check_out_dir(args.out)
+    assert out is not None
+    for name in ("demo.png", "demo.json"):
+        if (out / name).is_dir():
+            raise ValueError(
+                f"--out = {str(args.out)!r} is invalid: {out / name} is a directory; expected "
+                "a directory where demo.png and demo.json can be written"
+            )
+    return names, K, out
 
 
 def run(args) -> int:
+    from .._equilibrium import solve_equilibrium
     from .._plot import plot_trajectories
-    from .._policies import policy_from_name
     from .._scenario import default_scenario
     from .._simulate import simulate
 
+    names, K, out = _check_args(args)
+    note = step_size_warning(args.step_size, args.tick)
+    if note:
+        warn("demo", note)
     scn = default_scenario()
-    t0 = time.perf_counter()
-    names = _demo_policies()
-    pols = {p: policy_from_name(p) for p in names}
+    pols = {p: _make_policy(p) for p in names}
     costs = [c.name for c in dict.fromkeys(p.cost for p in pols.values() if p.cost is not None)]
     if "gradient" not in costs:
         costs.append("gradient")
-    eq = _equilibria(scn, costs)
-    sols, rows, records = [], [], []
+    n_save = min(_MAX_SAVES, K)
+
+    # Nearly all of a first run is compiling one program per cost and per policy (each
+    # then runs in about a second). Policies cannot share a program: a policy is static
+    # in the simulator's trace. XLA compiles outside the GIL, but threads overlapping the
+    # compiles measured no faster on two cores, so the steps run in turn.
+    steps = [("equilibrium", c) for c in costs] + [("simulate", p) for p in names]
+    print(
+        f"dlbfluid demo: {len(costs)} equilibria, then {len(names)} policies for {K} ticks "
+        "each; a first run spends most of its time compiling",
+        file=sys.stderr,
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    eq, sols = {}, {}
+    for k, (kind, name) in enumerate(steps, 1):
+        what = f"solving the {name} equilibrium" if kind == "equilibrium" else f"simulating {name}"
+        print(f"[{k}/{len(steps)}] {what} ...", file=sys.stderr, flush=True)
+        if kind == "equilibrium":
+            eq[name] = solve_equilibrium(scn, name)
+        else:
+            sols[name] = simulate(
+                scn,
+                pols[name],
+                step_size=args.step_size,
+                tick=args.tick,
+                horizon=args.horizon,
+                n_save=n_save,
+                throw=False,
+            )
+
     n = scn.n_cells
-    for k, pol in enumerate(names):
-        print(f"[{k + 1}/{len(names)}] simulating {pol} ...", file=sys.stderr, flush=True)
-        sol = simulate(
-            scn,
-            pol,
-            step_size=args.step_size,
-            tick=args.tick,
-            horizon=args.horizon,
-            n_save=min(400, max(1, int(round(args.horizon / args.tick)))),
-            throw=False,
-        )
-        sols.append(sol)
-        lat = float(sol.mean_latency(0.25))
+    rows, records = [], []
+    for pol in names:
+        sol = sols[pol]
+        lat = float(sol.mean_latency(_WINDOW))
         N_T = np.asarray(sol.N[-1])[:n]
         cost = pols[pol].cost
         if cost is None:
@@ -91,14 +173,24 @@ def run(args) -> int:
                 "oscillation": osc,
                 "status": status,
                 "final": {"N": N_T.tolist()},
+                "cost": None if cost is None else cost.name,
             }
         )
         rows.append([pol, f"{lat:.4f}", f"{dist:.3g}", ref, f"{osc:.3g}", status])
     opt = float(eq["gradient"].mean_latency)
     wall = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    png = plot_trajectories(sols, out / "demo.png", title=f"{scn.name}: workloads and routing")
+
+    order, ncols = _plot_order(names)
+    png = plot_trajectories(
+        [sols[p] for p in order],
+        out / "demo.png",
+        title=f"{scn.name}: workloads and routing of {len(names)} "
+        f"polic{'ies' if len(names) > 1 else 'y'} "
+        f"(social optimum: mean latency {opt:.3f} s)",
+        equilibria=[None if pols[p].cost is None else eq[pols[p].cost.name] for p in order],
+        window=_WINDOW,
+        ncols=ncols,
+    )
     result = {
         "scenario": scn.name,
         "cells": list(scn.cell_names),
@@ -109,6 +201,17 @@ def run(args) -> int:
         "policies": records,
         "png": str(png),
         "wall_s": wall,
+        "latency_window": _WINDOW,
+        "equilibria": {
+            c: {
+                "N": np.asarray(e.N)[:n].tolist(),
+                "z": np.asarray(e.z)[:n].tolist(),
+                "mean_latency": float(e.mean_latency),
+                "status": str(e.status_names()),
+            }
+            for c, e in eq.items()
+        },
+        "mnlb": {"update_period": MNLB_UPDATE_PERIOD, "utilisation_cap": MNLB_UTILISATION_CAP},
     }
     write_json(out / "demo.json", result)
     if args.json:
@@ -124,8 +227,14 @@ def run(args) -> int:
         )
     )
     print(
-        f"social optimum mean latency: {opt:.4f} s; latency averaged over the last 25% "
-        "of the horizon (Little's law, network round trips included)"
+        f"social optimum mean latency: {opt:.4f} s; latency averaged over the last "
+        f"{_WINDOW:.0%} of the horizon (Little's law, network round trips included)"
+        + (
+            f"; mnlb re-optimises every {MNLB_UPDATE_PERIOD:g} s under a utilisation cap of "
+            f"{MNLB_UTILISATION_CAP:g}"
+            if "mnlb" in pols
+            else ""
+        )
     )
     print(f"wrote {png} and {out / 'demo.json'} ({wall:.1f} s)")
     return 0

@@ -161,7 +161,9 @@ def run(args) -> int:
         write_json(out / "summary.json", summary)
         from .._plot import plot_trajectories
 
-        plot_trajectories(sol, out / "trajectory.png", title=f"{scn.name}: {args.policy}")
+        plot_trajectories(
+            sol, out / "trajectory.png", title=f"{scn.name}: {args.policy}", window=args.window
+        )
     if args.json:
         emit_json(summary)
     else:
