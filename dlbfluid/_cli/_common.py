@@ -277,6 +277,19 @@ def warn(command: str, message: str) -> None:
     print(f"dlbfluid {command}: warning: {message}", file=sys.stderr, flush=True)
 
 
+def doing(command: str, what: str) -> None:
+    """One line on stderr saying what a command is about to compute, and whether it may
+    compile first (the persistent cache, `dlbfluid._cache`, makes a second call with the
+    same shapes load its programs instead): a slow first call never runs silently."""
+    import jax
+
+    cache = jax.config.jax_compilation_cache_dir
+    where = f"compiled programs cached in {cache}" if cache else "compilation cache off"
+    print(
+        f"dlbfluid {command}: {what} (compiles on first use; {where})", file=sys.stderr, flush=True
+    )
+
+
 def table(rows: list[list], header: list[str]) -> str:
     """A plain aligned text table."""
     cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]

@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from ._common import (
+    doing,
     emit_json,
     load_scenario_arg,
     nonneg_float,
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     scn = load_scenario_arg(args.scenario, command="equilibrium")
     costs = _costs() if args.cost == "all" else (args.cost,)
+    doing("equilibrium", f"solving the {', '.join(costs)} equilibria of {scn.n_cells} cells")
     sols = {
         c: solve_equilibrium(
             scn, c, tol=args.tol, max_iters=args.max_iters, time=args.time, throw=False

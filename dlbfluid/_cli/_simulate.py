@@ -14,6 +14,7 @@ from ._common import (
     add_run_options,
     check_out_dir,
     check_whole_ticks,
+    doing,
     emit_json,
     fraction,
     load_scenario_arg,
@@ -139,6 +140,7 @@ def run(args) -> int:
     n_save = min(args.n_save, max(1, int(round(args.horizon / args.tick))))
     ticks = args.horizon / args.tick
     show = not args.no_progress and (sys.stderr.isatty() or ticks > 20000)
+    doing("simulate", f"simulating {args.policy} for {int(round(ticks))} ticks of {args.tick:g} s")
     t0 = time.perf_counter()
     sol = simulate(
         scn,

@@ -1,0 +1,98 @@
+"""How long the command line takes to answer (issue #14, *answers in seconds*).
+
+Times, in fresh subprocesses, `dlbfluid --help`, `dlbfluid simulate default --json` and
+`dlbfluid equilibrium default --json`: each command cold (an empty compilation cache
+directory) and then warm (the same directory again). `--tree DIR` runs the code of another
+checkout (e.g. a worktree of an older commit, for a before/after in one run); a tree
+without the command line's cache still gets the same cache directory through
+`DLBFLUID_CACHE_DIR`, which it ignores, so its warm run shows what it did before.
+
+    python benchmarks/cli_latency.py [--tree DIR] [--repeats 2] [--out FILE]
+
+Prints one JSON object: per command, wall seconds cold and warm (best of `--repeats`
+warm runs), the CPU seconds of the child, and whether JAX was imported by `--help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = {
+    "help": ["--help"],
+    "simulate": ["simulate", "default", "--json"],
+    "equilibrium": ["equilibrium", "default", "--json"],
+}
+RUN = "import sys; from dlbfluid._cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _time(tree: Path, argv: list[str], cache: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), DLBFLUID_CACHE_DIR=cache, MPLBACKEND="Agg")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-c", RUN, *argv], env=env, capture_output=True, text=True, cwd=tree
+    )
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        raise RuntimeError(f"{argv} failed ({p.returncode}): {p.stderr[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tree", default=str(ROOT), help="checkout whose code runs (default this)")
+    p.add_argument("--repeats", type=int, default=2, help="warm runs per command (best kept)")
+    p.add_argument("--out", help="also write the JSON here")
+    a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats = {a.repeats} is invalid: expected an integer >= 1")
+    if a.out and Path(a.out).is_dir():
+        p.error(f"--out = {a.out!r} is invalid: it is a directory; expected a file")
+    tree = Path(a.tree).resolve()
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    probe = "import sys; from dlbfluid._cli import build_parser; build_parser(); print('jax' in sys.modules)"
+    jax_at_help = (
+        subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=tree
+        ).stdout.strip()
+        == "True"
+    )
+    res: dict = {
+        "tree": str(tree),
+        "cpus": os.cpu_count(),
+        "help_imports_jax": jax_at_help,
+        "load_average": os.getloadavg()[0],
+        "commands": {},
+    }
+    with tempfile.TemporaryDirectory() as cache:
+        for name, args in COMMANDS.items():
+            cold = _time(tree, args, cache)
+            warm = [_time(tree, args, cache) for _ in range(a.repeats)]
+            best = min(warm, key=lambda r: r["wall_s"])
+            res["commands"][name] = {"cold": cold, "warm": best}
+            print(
+                f"{name}: cold {cold['wall_s']:.2f} s, warm {best['wall_s']:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
