@@ -419,6 +419,72 @@ def check_noise(summary: list[dict]) -> list[Finding]:
     return out
 
 
+HOMOGENEOUS_BAND = 0.1
+"""App. B.2, homogeneous cells: "none of the algorithms performs drastically better than
+Rand"; read as every DLB policy within 10% of Rand."""
+TICK_SETTLED = 0.02
+"""The tick kind's acceptance: normalised latency at the two smallest ticks within 2%."""
+
+
+def check_homogeneous(summary: list[dict]) -> list[Finding]:
+    """App. B.2: with identical hardware (and small network latencies) routing by replicas
+    is good and no algorithm is drastically better than Rand."""
+    v = variants_of(summary)[0]
+    vals = [value(summary, v, p) for p in DLB]
+    f, paper = "no policy drastically better than Rand", "every DLB policy near 1"
+    if any(x is None for x in vals):
+        return [_na(f, paper)]
+    lo = min(vals)
+    return [
+        Finding(
+            f,
+            paper + f" (within {HOMOGENEOUS_BAND:.0%})",
+            f"DLB {lo:.3f}-{max(vals):.3f}",
+            lo >= 1 - HOMOGENEOUS_BAND,
+        )
+    ]
+
+
+def check_heterogeneity(summary: list[dict]) -> list[Finding]:
+    """App. B.2: the stateful policies' gain over Rand comes from heterogeneity, so it grows
+    with the spread of the cells' hardware (lowest to highest coefficient of variation)."""
+    ends = _extreme_variants(summary)
+    f, paper = "gain over Rand grows with heterogeneity", "mean DLB falls as the CV rises"
+    if ends is None:
+        return [_na(f, paper, "needs two levels")]
+    m0, m1 = _mean(summary, ends[0], DLB), _mean(summary, ends[1], DLB)
+    if m0 is None or m1 is None:
+        return [_na(f, paper)]
+    return [Finding(f, paper, f"{ends[0]} {m0:.3f} -> {ends[1]} {m1:.3f}", m1 < m0)]
+
+
+def check_tick(summary: list[dict]) -> list[Finding]:
+    """Issue #12: a finding must not move with the tick. For each family (baseline, y = 10)
+    and policy, the normalised latency at the two smallest ticks differs by < 2%."""
+    out = []
+    fams: dict[str, list[tuple[float, str]]] = {}
+    for v in variants_of(summary):
+        fam, _, h = v.rpartition("h=")
+        fams.setdefault(fam.rstrip(",") or "baseline", []).append((float(h.rstrip("ms")), v))
+    for fam, vs in fams.items():
+        vs.sort()
+        if len(vs) < 2:
+            out.append(_na(f"{fam}: settled in h", "two ticks needed"))
+            continue
+        (_, a), (_, b) = vs[0], vs[1]
+        for p in policies_of(summary):
+            x, y = value(summary, a, p), value(summary, b, p)
+            f = f"{fam} {p}: settled at the two smallest ticks"
+            if x is None or y is None:
+                out.append(_na(f, f"< {TICK_SETTLED:.0%} apart"))
+                continue
+            d = abs(x / y - 1)
+            out.append(
+                Finding(f, f"< {TICK_SETTLED:.0%} apart", f"{y:.3f} -> {x:.3f}", d < TICK_SETTLED)
+            )
+    return out
+
+
 def check(kind: str, summary: list[dict]) -> list[Finding]:
     """The paper's findings for one experiment kind, checked on its summary."""
     if kind == "baseline":
@@ -431,6 +497,12 @@ def check(kind: str, summary: list[dict]) -> list[Finding]:
         return check_events(summary, kind)
     if kind == "noise":
         return check_noise(summary)
+    if kind == "homogeneous":
+        return check_homogeneous(summary)
+    if kind == "heterogeneity":
+        return check_heterogeneity(summary)
+    if kind == "tick":
+        return check_tick(summary)
     raise ValueError(f"kind = {kind!r} is invalid: allowed kinds are {list(KINDS)}")
 
 

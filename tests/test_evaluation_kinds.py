@@ -173,3 +173,39 @@ def test_step_rule_kappa_is_the_recorded_calibration():
         best = np.min(lat[ok])
         first = np.flatnonzero(ok & (lat <= best * (1 + rec["tolerance"])))[0]
         assert rec["ladder"][first] == pytest.approx(r["kappa"], rel=1e-12), pol
+
+
+def _rows(values):
+    return [
+        {"variant": v, "policy": p, "normalized_latency": x}
+        for v, by in values.items()
+        for p, x in by.items()
+    ]
+
+
+def test_findings_for_the_new_kinds():
+    """The notebook's checks of the homogeneous, heterogeneity and tick kinds (their
+    verdicts feed the README's findings list)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "notebooks"))
+    import _paper_eval_helpers as h
+
+    dlb = dict.fromkeys(h.DLB, 0.95)
+    (f,) = h.check_homogeneous(_rows({"homogeneous": {"rand": 1.0, **dlb}}))
+    assert f.agrees
+    (f,) = h.check_homogeneous(_rows({"homogeneous": {"rand": 1.0, **dlb, "flow-grad": 0.85}}))
+    assert f.agrees is False  # 15% better than Rand is "drastic"
+    grow = _rows({"cv=0": dict.fromkeys(h.DLB, 0.99), "cv=0.8": dict.fromkeys(h.DLB, 0.8)})
+    assert h.check_heterogeneity(grow)[0].agrees
+    ticks = {
+        "h=100ms": {"rand": 1.0, "disc-rif": 1.17},
+        "h=5ms": {"rand": 1.0, "disc-rif": 0.946},
+        "h=2ms": {"rand": 1.0, "disc-rif": 0.93},  # 1.7% below h = 5 ms: settled
+        "y=10,h=5ms": {"rand": 1.0, "disc-rif": 0.9},
+        "y=10,h=2ms": {"rand": 1.0, "disc-rif": 0.85},  # 5.6%: not settled
+    }
+    got = {r.finding: r.agrees for r in h.check_tick(_rows(ticks))}
+    assert got["baseline disc-rif: settled at the two smallest ticks"] is True
+    assert got["y=10 disc-rif: settled at the two smallest ticks"] is False
