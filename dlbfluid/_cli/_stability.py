@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ._common import emit_json, load_scenario_arg, positive_float
+from ._common import emit_json, integer, load_scenario_arg, positive_float
 
 
 def register(sub) -> None:
@@ -36,7 +36,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--nodes",
-        type=int,
+        type=integer("nodes"),
         default=DEFAULT_NODES,
         help=f"Chebyshev nodes of the pseudospectral method (default {DEFAULT_NODES})",
     )
@@ -55,7 +55,7 @@ def run(args) -> int:
 
     if args.nodes < 2:
         raise ValueError(f"--nodes = {args.nodes} is invalid: expected an integer >= 2")
-    scn = load_scenario_arg(args.scenario)
+    scn = load_scenario_arg(args.scenario, command="stability")
     res = critical_step_size(
         scn, args.policy, method=args.method, nodes=args.nodes, tau_scale=args.tau_scale
     )
