@@ -634,7 +634,7 @@ def _check_cut(lam, mubar, allowed, names, rel_margin, t, timed, remedy) -> None
     cells = [j for j in range(n) if source_side[n + 1 + j]]
     if not origins:  # (a shortfall within the tolerances: report the whole network)
         origins = [i for i in range(n) if lam[i] > 0]
-        cells = sorted({j for i in origins for j in np.nonzero(allowed[i])[0]})
+        cells = sorted({int(j) for i in origins for j in np.nonzero(allowed[i])[0]})
     cut_demand = float(lam[origins].sum())
     cut_cap = float(mubar[cells].sum())
     when = f" at t = {t:g} s" if timed else ""

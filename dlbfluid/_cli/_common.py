@@ -283,7 +283,7 @@ def doing(command: str, what: str) -> None:
     same shapes load its programs instead): a slow first call never runs silently."""
     import jax
 
-    cache = jax.config.jax_compilation_cache_dir
+    cache = getattr(jax.config, "jax_compilation_cache_dir", None)
     where = f"compiled programs cached in {cache}" if cache else "compilation cache off"
     print(
         f"dlbfluid {command}: {what} (compiles on first use; {where})", file=sys.stderr, flush=True
