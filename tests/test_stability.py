@@ -386,3 +386,123 @@ def test_cli_default_and_errors(capsys):
     assert "invalid choice: 'disc-grad'" in capsys.readouterr().err
     rc, _ = _cli(["stability", "default", "--nodes", "1"])
     assert rc == 2 and "--nodes = 1 is invalid" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------
+# Any network, large: the argument principle on the cell characteristic matrix (§3.6)
+# ----------------------------------------------------------------------------------------
+
+
+def test_nyquist_matches_pseudospectral(three_rif):
+    """The argument-principle method finds the same eta* and crossing as the pseudospectral
+    method (THREE under RIF, 4 neutral directions) and as the closed form (the pair)."""
+    ny = critical_step_size(
+        dl.scenario_from_dict(THREE), "flow-rif", tau_scale=THREE_SCALE, method="nyquist"
+    )
+    assert ny.method == "nyquist" and ny.rightmost_root.real == 0.0
+    assert ny.critical_step_size == pytest.approx(three_rif.critical_step_size, rel=1e-10)
+    assert ny.crossing_frequency == pytest.approx(three_rif.crossing_frequency, rel=1e-8)
+    assert ny.summary()["neutral_directions"] == 4
+    pair = critical_step_size(_pair(0.5), "flow-grad", method="nyquist")
+    assert pair.critical_step_size == pytest.approx(_reference_eta(A, FP, LAM, 0.5)[0], rel=1e-10)
+    assert critical_step_size(_pair(0.0), "flow-grad", method="nyquist").critical_step_size == (
+        math.inf
+    )
+
+
+@pytest.mark.parametrize("seed, n, max_latency", [(1, 4, 0.15), (2, 3, 0.15), (3, 4, 1.5)])
+def test_nyquist_random_networks(seed, n, max_latency):
+    """Seeded random networks (theory/lyapunov.md, *Generator*; delays x10 in the last one,
+    where the loci wind several times): both general methods agree to 1e-9."""
+    from dlbfluid._verify import random_network
+
+    d = random_network(np.random.default_rng(seed), n, max_latency=max_latency)
+    d.pop("utilisation")
+    scn = dl.scenario_from_dict(d)
+    for pol in ("flow-grad", "flow-lat", "flow-rif"):
+        eq = dl.solve_equilibrium(scn, dl.policy_from_name(pol).cost)
+        ps = critical_step_size(scn, pol, equilibrium=eq, method="pseudospectral")
+        ny = critical_step_size(scn, pol, equilibrium=eq, method="nyquist")
+        assert ny.critical_step_size == pytest.approx(ps.critical_step_size, rel=1e-9), pol
+        assert ny.crossing_frequency == pytest.approx(ps.crossing_frequency, rel=1e-7), pol
+
+
+def test_cell_characteristic_matrix(three_rif):
+    """det Delta(s) = s^(d - 2n) det T(s): the n x n matrix has the same nonzero roots."""
+    lin, eta = three_rif.linearisation, three_rif.critical_step_size
+    n, d = lin.n_cells, lin.dim
+    for s in (0.3 + 0.7j, -0.2 + 2.0j, 1.5 - 0.1j):
+        lhs = np.linalg.det(lin.characteristic_matrix(s, eta))
+        rhs = s ** (d - 2 * n) * np.linalg.det(lin.cell_characteristic_matrix(s, eta))
+        assert abs(lhs - rhs) <= 1e-10 * abs(lhs)
+    root = three_rif.rightmost_root
+    T = lin.cell_characteristic_matrix(root, eta)
+    assert np.linalg.svd(T, compute_uv=False)[-1] <= 1e-10 * np.linalg.norm(T)
+
+
+def test_full_support_network_is_not_densified():
+    """40 identical cells, every source splitting over all of them (RIF-like full support:
+    d = 1600 states, 781 distinct delays, so the dense delay matrices would take 16 GB).
+    With all delays within 1e-8 of tau the nonzero modes obey the closed form of §2 with
+    K = eta Lambda f' (M(s) = e^(-2 s tau) Lambda f' P), so eta* is known."""
+    from dlbfluid._stability import (
+        Linearisation,
+        _initial_guess,
+        _nyquist_eta,
+        _Steps,
+    )
+
+    n, tau, a, fp = 40, 0.5, 0.25, 4.0
+    rng = np.random.default_rng(0)
+    lam = rng.uniform(0.5, 1.5, n)
+    jitter = np.round(rng.uniform(0, 1, (n, n)), 6)
+    lin = Linearisation(
+        delays=np.unique(np.concatenate([[0.0], (tau * (1 + 1e-8 * jitter)).ravel()])),
+        n_cells=n,
+        sources=tuple(range(n)),
+        supports=tuple(tuple(range(n)) for _ in range(n)),
+        rate_prime=np.full(n, a),
+        cost_prime=np.full(n, fp),
+        arrival_rate=lam,
+        arc_delay=tau * (1 + 1e-8 * jitter),
+        step_weights=np.ones(n),
+        N=np.ones(n),
+        x=np.full((n, n), 1.0 / n),
+        degenerate_arcs=(),
+    )
+    assert lin.dim == 1600 and lin.delays.size > 700
+    eta, root = _nyquist_eta(lin, _initial_guess(lin), 1e-12, _Steps(False, "", 1))
+    ref = symmetric_critical_step_size(a, fp, float(lam.sum()), tau)
+    assert eta == pytest.approx(ref, rel=1e-6)
+    assert lin.n_neutral == n * (n - 1) - (n - 1)  # m - rank L, rank L = n - 1
+
+
+def test_progress_and_step_size_ratio(capsys):
+    """`progress=True` reports on stderr; `step_size_ratio` is eta/eta* (the plausibility
+    check of `simulate`), also at 99.9% load, where eta* is tiny and rounding hides part of
+    the characteristic loci."""
+    from dlbfluid._stability import step_size_ratio
+
+    r = critical_step_size(_pair(0.5), "flow-grad", method="nyquist", progress=True)
+    err = capsys.readouterr().err
+    assert "stability (nyquist)" in err and "unstable roots" in err and "done" in err
+    rec = step_size_ratio(_pair(0.5), "flow-grad", 10 * r.critical_step_size)
+    assert rec["ratio"] == pytest.approx(10.0, rel=1e-5) and rec["method"] == "nyquist"
+    assert step_size_ratio(_pair(0.0), "flow-grad", 1.0)["critical_step_size"] is None
+    with pytest.raises(ValueError, match="policy = 'disc-grad'"):
+        step_size_ratio(_pair(0.5), "disc-grad", 1.0)
+    with pytest.raises(ValueError, match="step_size = -1"):
+        step_size_ratio(_pair(0.5), "flow-grad", -1)
+    # the default network at 99.9% of its capacity
+    with open(dl.__path__[0] + "/data/default.json") as f:
+        d = json.load(f)
+    cap = sum(c["service"]["capacity"] for c in d["cells"])
+    lam = sum(c["arrival_rate"] for c in d["cells"])
+    for c in d["cells"]:
+        c["arrival_rate"] *= 0.999 * cap / lam
+    scn = dl.scenario_from_dict(d)
+    eq = dl.solve_equilibrium(scn, "gradient")
+    rec = step_size_ratio(scn, "flow-grad", 0.05, equilibrium=eq)
+    ps = critical_step_size(scn, "flow-grad", equilibrium=eq, method="pseudospectral")
+    assert rec["critical_step_size"] == pytest.approx(ps.critical_step_size, rel=1e-6)
+    assert rec["ratio"] > 1e6

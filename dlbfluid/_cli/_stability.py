@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 from ._common import emit_json, integer, load_scenario_arg, positive_float
 
@@ -47,6 +48,11 @@ def register(sub) -> None:
         help="multiply every network latency by this factor first (default 1)",
     )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="never show progress (shown on stderr on a terminal or above 20 cells)",
+    )
     p.set_defaults(func=run)
 
 
@@ -56,8 +62,14 @@ def run(args) -> int:
     if args.nodes < 2:
         raise ValueError(f"--nodes = {args.nodes} is invalid: expected an integer >= 2")
     scn = load_scenario_arg(args.scenario, command="stability")
+    show = not args.no_progress and (sys.stderr.isatty() or scn.n_cells > 20)
     res = critical_step_size(
-        scn, args.policy, method=args.method, nodes=args.nodes, tau_scale=args.tau_scale
+        scn,
+        args.policy,
+        method=args.method,
+        nodes=args.nodes,
+        tau_scale=args.tau_scale,
+        progress=show,
     )
     summary = res.summary()
     summary["scenario"] = scn.name
