@@ -15,6 +15,7 @@ from .polish import ActiveSetPolish as ActiveSetPolish
 from .problem import _certify as _certify
 from .problem import _make_problem as _make_problem
 from .problem import potential as potential
+from .rif_range import rif_latency_range as rif_latency_range
 from .solver import _TRACES as _TRACES
 from .solver import EquilibriumSolver as EquilibriumSolver
 from .state import Iterate as Iterate
