@@ -1,12 +1,15 @@
 """Scenarios verified per second by `verify` (Theorem-1 batch verification).
 
     python benchmarks/bench_verify.py [--sizes 100 1000 10000] [--chunk 256] [--budget-s 900]
+                                      [--ladder none|full]
 
-Each size runs the whole pipeline (equilibria for three costs, critical step sizes, three
-flow-policy simulations with per-tick saves, diagnostics) in memory. The first, smallest
-run also pays for compilation; it is reported separately by timing a warm-up chunk first.
-There is no external peer for this pipeline; the simulate and equilibrium benchmarks
-measure the pieces against scipy and cvxpy. Prints one JSON object on stdout.
+Each size runs the whole pipeline (equilibria for three costs, the chunk's critical step
+sizes in one call, three flow-policy simulations with per-tick saves, the drift
+certificates; with `--ladder full` also the Theorem-1 ladder) in memory. The first,
+smallest run also pays for compilation; it is reported separately by timing a warm-up
+chunk first. The former per-scenario pipeline is timed against this one in
+`bench_theorem1.py`; the simulate and equilibrium benchmarks measure the pieces against
+scipy and cvxpy. Prints one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--horizon", type=float, default=100.0)
     p.add_argument("--tick", type=float, default=0.05)
+    p.add_argument("--ladder", choices=("none", "full"), default="none")
     p.add_argument("--budget-s", type=float, default=900.0,
                    help="skip a size whose estimated time exceeds this (default 900)")
     args = p.parse_args(argv)
-    kw = dict(chunk=args.chunk, n_cells=(2, 6), horizon=args.horizon, tick=args.tick)
+    kw = dict(chunk=args.chunk, n_cells=(2, 6), horizon=args.horizon, tick=args.tick,
+              ladder=args.ladder)  # fmt: skip
     t0 = time.perf_counter()
     verify(args.chunk, 12345, **kw)  # warm-up: compiles every piece at this chunk shape
     warm = time.perf_counter() - t0
@@ -50,8 +55,9 @@ def main(argv=None) -> int:
         res = verify(n, 1, **kw)
         wall = time.perf_counter() - t0
         conv = {pol: s["converged_fraction"] for pol, s in res["policies"].items()}
+        cert = {pol: s["certificate_holds_fraction"] for pol, s in res["policies"].items()}
         results.append({"scenarios": n, "wall_s": wall, "scenarios_per_s": n / wall,
-                        "converged_fraction": conv})
+                        "converged_fraction": conv, "certificate_holds_fraction": cert})
         print(f"{n:>6} scenarios: {wall:8.1f} s  {n / wall:8.2f} scenarios/s  converged {conv}",
               file=sys.stderr)
     print(json.dumps({
@@ -62,6 +68,7 @@ def main(argv=None) -> int:
         "chunk": args.chunk,
         "horizon": args.horizon,
         "tick": args.tick,
+        "ladder": args.ladder,
         "compile_s": compile_s,
         "results": results,
     }))

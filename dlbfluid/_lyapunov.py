@@ -162,16 +162,7 @@ def lyapunov_diagnostics(
     **Returns:** `Diagnostics` (theory/lyapunov.md).
     """
     cost_ = cost_from_name(cost)
-    t = jnp.asarray(solution.t)
-    h = float(solution.tick)
-    if solution.t.ndim != 1:
-        raise ValueError("lyapunov_diagnostics needs an unbatched Solution; index it first")
-    steps = np.diff(np.asarray(t))
-    if not np.allclose(steps, h, rtol=1e-9, atol=1e-12):
-        raise ValueError(
-            f"solution saved every {steps.min():.4g}-{steps.max():.4g} s but tick = {h}: "
-            "simulate with n_save equal to the number of ticks (horizon / tick)"
-        )
+    t, h = _check_per_tick(solution)
     n = scenario.n_cells
     eta = jnp.broadcast_to(jnp.asarray(step_size, t.dtype), (n,))
     scn = scenario.strip()
@@ -188,18 +179,48 @@ def lyapunov_diagnostics(
     )
 
 
-def fit_theorem1(T, eta, distance):
-    """Least-squares fit of the time-average distance to $A/(T\\eta) + B\\eta + C/T$.
+def _check_per_tick(solution):
+    """`(t, h)` of an unbatched `Solution` saved at every tick, else `ValueError`."""
+    t = jnp.asarray(solution.t)
+    h = float(solution.tick)
+    if solution.t.ndim != 1:
+        raise ValueError("lyapunov_diagnostics needs an unbatched Solution; index it first")
+    steps = np.diff(np.asarray(t))
+    if not np.allclose(steps, h, rtol=1e-9, atol=1e-12):
+        raise ValueError(
+            f"solution saved every {steps.min():.4g}-{steps.max():.4g} s but tick = {h}: "
+            "simulate with n_save equal to the number of ticks (horizon / tick)"
+        )
+    return t, h
+
+
+def fit_theorem1(T, eta, distance, *, nonneg: bool = False):
+    """Relative least-squares fit of the time-average distance to
+    $A/(T\\eta) + B\\eta + C/T$.
 
     **Arguments:** arrays of horizons `T`, step sizes `eta` and measured time-average
-    distances (same shape). **Returns:** `dict(A, B, C, r2, rel_rmse)`; `B` is the empirical
-    delay penalty $G_1(\\tau)$ of the bound (theory/lyapunov.md, *Shape of Theorem 1*).
+    distances (same shape); `nonneg`: constrain $A, B, C \\ge 0$, as the bound's constants
+    are (non-negative least squares, `scipy.optimize.nnls`). The default, unconstrained,
+    can return a negative $B$ where the delay term is not visible in the data.
+
+    **Returns:** `dict(A, B, C, r2, rel_rmse)`; `B` is the empirical delay penalty
+    $G_1(\\tau)$ of the bound (theory/lyapunov.md, *Shape of Theorem 1*).
     """
     T, eta, y = (np.asarray(v, float).ravel() for v in (T, eta, distance))
     X = np.stack([1.0 / (T * eta), eta, 1.0 / T], axis=1)
     # Relative least squares: the distances span decades.
     w = 1.0 / np.maximum(np.abs(y), 1e-300)
-    coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
+    if nonneg:
+        import scipy.optimize
+
+        # Columns scaled to unit norm, so the active-set tolerance is scale free.
+        Xw = X * w[:, None]
+        norm = np.linalg.norm(Xw, axis=0)
+        norm = np.where(norm > 0, norm, 1.0)
+        coef, _ = scipy.optimize.nnls(Xw / norm, y * w)
+        coef = coef / norm
+    else:
+        coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
     pred = X @ coef
     ss_res = np.sum((y - pred) ** 2)
     ss_tot = np.sum((y - y.mean()) ** 2)

@@ -1,11 +1,15 @@
 """Batch verification of Theorem 1 over random scenarios (theory/lyapunov.md, *Batch*).
 
-For every scenario: solve the RIF, Wardrop and social-optimum equilibria, simulate
-flow-rif, flow-lat and flow-grad, and record convergence, the time-average distance
-$\\frac1T\\int_0^T\\sum_jD_j$, the final distance to $N^*$ and the step size relative to
-the critical one. Results are appended to a JSON-lines file chunk by chunk, so that a
-killed run resumes where it stopped without losing or duplicating a scenario; the
-directory's manifest (`dlbfluid._manifest`) refuses a rerun with other settings.
+For every scenario: solve the RIF, Wardrop and social-optimum equilibria, compute every
+flow policy's critical step size for the whole chunk at once (`batch_critical_step_size`),
+simulate flow-rif, flow-lat and flow-grad, and record the integrated drift certificate
+(`dlbfluid._theorem1`), the time-average distance $\\frac1T\\int_0^T\\sum_jD_j$, the final
+distance to $N^*$ and the step size relative to the critical one; with `ladder="full"`
+also the Theorem-1 ladder (the bound's constants, the $T^{-1/2}$ schedule, $G_1$ against
+the delays, the empirical $\\eta_0$). Results are appended to a JSON-lines file chunk by
+chunk, so that a killed run resumes where it stopped without losing or duplicating a
+scenario; the directory's manifest (`dlbfluid._manifest`) refuses a rerun with other
+settings.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +120,55 @@ def draw_scenario(seed: int, index: int, *, n_cells=(2, 6), **kwargs) -> dict:
     return d
 
 
+GENERATORS = ("random", "appb")
+STEP_RULES = ("oracle", "paper")
+LADDERS = ("none", "full")
+
+
+def draw_appb(seed: int, index: int, *, n_cells=(2, 6)) -> dict:
+    """Scenario `index` of the App.-B generator's stream `seed` (`dlbfluid.generate`,
+    theory/generator.md) as Theorem 1 takes it: constant demand (no event, no
+    fluctuation) and unbounded queues (the seed's finite buffers drop flow, which the
+    fluid model of the theorem does not)."""
+    return draw_appb_many(seed, [index], n_cells=n_cells)[0]
+
+
+def draw_appb_many(seed: int, indices, *, n_cells=(2, 6)) -> list[dict]:
+    """`draw_appb` for several indices, one `generate` call per contiguous run of them
+    (each call compiles nothing new and costs about as much as one scenario)."""
+    from ._generator import generate, scenario_dicts
+
+    indices = [int(i) for i in indices]
+    out: dict[int, dict] = {}
+    k = 0
+    while k < len(indices):
+        j = k
+        while j + 1 < len(indices) and indices[j + 1] == indices[j] + 1:
+            j += 1
+        gen = generate(seed, j - k + 1, min_cells=n_cells[0], max_cells=n_cells[1],
+                       start=indices[k])  # fmt: skip
+        for i, d in zip(indices[k : j + 1], scenario_dicts(gen, horizon=1.0, fluctuation=0.0)):
+            for cell in d["cells"]:
+                cell.pop("buffer", None)
+            d["index"] = i
+            out[i] = d
+        k = j + 1
+    return [out[i] for i in indices]
+
+
+class _AppB:
+    """The App.-B source of `verify`: `draw_appb` per index, `many` per chunk."""
+
+    def __init__(self, n_cells):
+        self.n_cells = n_cells
+
+    def __call__(self, seed: int, index: int) -> dict:
+        return draw_appb(seed, index, n_cells=self.n_cells)
+
+    def many(self, seed: int, indices) -> list[dict]:
+        return draw_appb_many(seed, indices, n_cells=self.n_cells)
+
+
 def _read_done(path: Path) -> dict[int, dict]:
     """Records already written; a torn last line (killed mid-write) is dropped."""
     done: dict[int, dict] = {}
@@ -145,18 +199,37 @@ def _quantiles(v) -> dict:
     return {"q10": float(q[0]), "q50": float(q[1]), "q90": float(q[2]), "max": float(v.max())}
 
 
+def _fraction(v) -> float | None:
+    v = [x for x in v if x is not None]
+    return float(np.mean(v)) if v else None
+
+
 def summarise(records: list[dict]) -> dict:
-    """Fractions converged and quantiles of each diagnostic, per policy."""
+    """Fractions converged, certified and under their fitted bound, and quantiles of each
+    diagnostic and Theorem-1 constant, per policy (null where a record lacks it, e.g.
+    without the ladder)."""
     out: dict = {"scenarios": len(records), "policies": {}}
     names = list(dict.fromkeys(p for r in records for p in r["policies"]))
     for pol in names:
         rs = [r["policies"][pol] for r in records]
+        cert = [r.get("certificate") or {} for r in rs]
+        bound = [r.get("bound") or {} for r in rs]
         out["policies"][pol] = {
             "converged_fraction": float(np.mean([r["converged"] for r in rs])) if rs else None,
             "failed": int(sum(r["status"] != "success" for r in rs)),
             "time_average_distance": _quantiles([r["time_average_distance"] for r in rs]),
             "final_distance": _quantiles([r["final_distance"] for r in rs]),
             "eta_over_eta_star": _quantiles([r["eta_over_eta_star"] for r in rs]),
+            "certificate_holds_fraction": _fraction([c.get("holds") for c in cert]),
+            "discretisation_excess": _quantiles([c.get("discretisation_excess") for c in cert]),
+            "bound_holds_fraction": _fraction([b.get("holds") for b in bound]),
+            "A": _quantiles([b.get("A") for b in bound]),
+            "B": _quantiles([b.get("B") for b in bound]),
+            "C": _quantiles([b.get("C") for b in bound]),
+            "fit_rel_rms": _quantiles([b.get("fit_rel_rms") for b in bound]),
+            "schedule_slope": _quantiles([r.get("schedule_slope") for r in rs]),
+            "g1_growth_exponent": _quantiles([r.get("g1_growth_exponent") for r in rs]),
+            "eta0_over_eta_star": _quantiles([r.get("eta0_over_eta_star") for r in rs]),
         }
     return out
 
@@ -177,6 +250,11 @@ def verify(
     policies=None,
     draw: Callable[[int, int], dict] | None = None,
     processes: Processes | None = None,
+    generator: str = "random",
+    scenario: dict | None = None,
+    step_rule: str = "oracle",
+    ladder: str = "none",
+    tau_scales: tuple[float, ...] = (1.0, 2.0, 4.0),
 ) -> dict | None:
     """Verify Theorem 1 on `n_scenarios` random scenarios; returns the summary dict.
 
@@ -191,6 +269,25 @@ def verify(
     the ratio is null). A scenario has converged when
     $\\max_j|N_j(T)-N_j^*| \\le$ `conv_tol` $\\max(1, \\max_j N_j^*)$ and its run succeeded.
 
+    `generator`: the scenario source when `draw` is not given: `"random"` (`draw_scenario`,
+    with `n_cells`) or `"appb"` (the App.-B generator, `draw_appb`). `scenario`: verify this
+    one scenario dict (scenario-file format) instead; `n_scenarios` must then be 1.
+
+    `step_rule`: `"oracle"` ($\\eta = $ `step_fraction` $\\times\\,\\eta^*$) or `"paper"`
+    (router $i$ takes $\\eta_i = \\kappa_c/\\bar\\tau_i$, `dlbfluid._experiment.paper_step_sizes`;
+    $\\eta^*$ is then the critical scaling of that profile, so `eta_over_eta_star` is how far
+    below it the rule runs, and `step_size` is the largest router step).
+
+    `ladder`: `"none"` (the run above and its certificate only) or `"full"`: the Theorem-1
+    ladder of `dlbfluid._theorem1.theorem1_ladder` per scenario and policy (the bound's
+    constants, the $T^{-1/2}$ schedule's slope, $G_1$ against the delay scales
+    `tau_scales`, the empirical $\\eta_0$), about thirty further runs per scenario and
+    policy, batched.
+
+    `nodes`: the Chebyshev nodes of the former per-scenario critical step sizes, kept in
+    the manifest only: `batch_critical_step_size` solves the exact characteristic
+    equation (theory/stability.md §7).
+
     `processes`: the processes sharing the run (`dlbfluid._distributed`, the command
     line's `--coordinator`...; default this one alone). Every process calls `verify` with
     the same arguments and computes whole chunks; process 0 alone reads and writes
@@ -202,7 +299,9 @@ def verify(
     only the scenarios not yet there. The directory's manifest (`dlbfluid._manifest`,
     `manifest.json`) records every argument that changes a number (`n_scenarios`,
     `seed`, `n_cells`, `horizon`, `tick`, `step_fraction`, `conv_tol`, `nodes`, the
-    policies and the name of a custom `draw`) and the package version; `chunk` is not
+    policies and the name of a custom `draw`; `generator`, a fingerprint of a given
+    `scenario`, `step_rule`, `ladder` and `tau_scales` where they differ from their
+    defaults) and the package version; `chunk` is not
     among them (a scenario's record does not depend on its chunk, up to rounding: chunks
     of 2, 3 and 4 gave identical records, a chunk of 1 differed by one ulp), so a resumed
     run may use another.
@@ -213,6 +312,22 @@ def verify(
     is left untouched then.
     """
     procs = Processes() if processes is None else processes
+    for key, choice, choices in (
+        ("generator", generator, GENERATORS),
+        ("step_rule", step_rule, STEP_RULES),
+        ("ladder", ladder, LADDERS),
+    ):
+        if choice not in choices:
+            raise ValueError(f"{key} = {choice!r} is invalid: allowed values are {list(choices)}")
+    tau_scales = tuple(float(v) for v in tau_scales)
+    if not tau_scales or any(not (math.isfinite(v) and v > 0) for v in tau_scales):
+        raise ValueError(f"tau_scales = {tau_scales!r} is invalid: expected scales > 0")
+    if 1.0 not in tau_scales:
+        tau_scales = (1.0, *tau_scales)
+    if scenario is not None and n_scenarios != 1:
+        raise ValueError(
+            f"n_scenarios = {n_scenarios!r} is invalid with a given scenario: expected 1"
+        )
     for name, v, ok in (
         ("n_scenarios", n_scenarios, isinstance(n_scenarios, int) and n_scenarios >= 1),
         ("chunk", chunk, isinstance(chunk, int) and chunk >= 1),
@@ -224,6 +339,15 @@ def verify(
     if abs(K * tick - horizon) > 1e-9 * horizon:
         raise ValueError(f"horizon = {horizon} is not a whole number of ticks of {tick}")
     pols = flow_policies(policies)
+    if step_rule == "paper":
+        from ._experiment_config import STEP_RULE_KAPPA
+
+        for p, c in pols:
+            if c not in STEP_RULE_KAPPA:
+                raise ValueError(
+                    f"step_rule = 'paper' is invalid for policy {p!r}: kappa is calibrated "
+                    f"for the costs {list(STEP_RULE_KAPPA)} only; use step_rule = 'oracle'"
+                )
     path = None
     done: dict[int, dict] = {}
     state: dict | None = None
@@ -242,6 +366,17 @@ def verify(
                     "policies": [p for p, _ in pols],
                     "draw": None if draw is None else _qualified_name(draw),
                 }
+                # Settings added later are recorded when they differ from their defaults,
+                # so a run with the defaults keeps the manifest it always had.
+                for key, value, default in (
+                    ("generator", generator, "random"),
+                    ("scenario", None if scenario is None else _digest(scenario), None),
+                    ("step_rule", step_rule, "oracle"),
+                    ("ladder", ladder, "none"),
+                    ("tau_scales", list(tau_scales) if ladder == "full" else None, None),
+                ):
+                    if value != default:
+                        config[key] = value
                 resumed = open_manifest(
                     out_dir, "verify", config, labels=_FLAGS, results=("results.jsonl",)
                 )
@@ -259,7 +394,16 @@ def verify(
     if "error" in state:
         raise ValueError(state["error"])
     todo = state["todo"]
-    source = (lambda sd, i: draw_scenario(sd, i, n_cells=n_cells)) if draw is None else draw
+    if scenario is not None:
+        given = dict(scenario)
+        source = lambda sd, i: {**given, "index": i}  # noqa: E731
+    elif draw is not None:
+        source = draw
+    elif generator == "appb":
+        source = _AppB(n_cells)
+    else:
+        source = lambda sd, i: draw_scenario(sd, i, n_cells=n_cells)  # noqa: E731
+    opts = _Options(step_fraction, conv_tol, nodes, step_rule, ladder, tau_scales)
     t_start = time.perf_counter()
     if not procs.main:
         report = None
@@ -282,8 +426,7 @@ def verify(
             rec
             for k in procs.share(len(batch))
             for rec in _chunk_records(
-                batch[k], seed, source, pols, chunk, n_cells, tick, horizon, K,
-                step_fraction, conv_tol, nodes,
+                batch[k], seed, source, pols, chunk, n_cells, tick, horizon, K, opts
             )
         ]  # fmt: skip
         shares = procs.gather(mine, "verify/chunk")
@@ -310,6 +453,10 @@ def verify(
         tick=tick,
         step_fraction=step_fraction,
         conv_tol=conv_tol,
+        generator=generator if scenario is None and draw is None else None,
+        step_rule=step_rule,
+        ladder=ladder,
+        tau_scales=list(tau_scales) if ladder == "full" else None,
         devices=[str(d) for d in jax.devices()],
         wall_s=time.perf_counter() - t_start,
     )
@@ -328,7 +475,31 @@ _FLAGS = {
     "tick": "--tick",
     "step_fraction": "--step-fraction",
     "conv_tol": "--conv-tol",
+    "generator": "--generator",
+    "scenario": "--scenario",
+    "step_rule": "--step-rule",
+    "ladder": "--ladder",
+    "tau_scales": "--tau-scales",
+    "policies": "--policy",
 }
+
+
+class _Options(NamedTuple):
+    """The per-scenario settings of a run (every one is in the manifest)."""
+
+    step_fraction: float
+    conv_tol: float
+    nodes: int
+    step_rule: str
+    ladder: str
+    tau_scales: tuple[float, ...]
+
+
+def _digest(d: dict) -> str:
+    """A short fingerprint of a given scenario (the manifest records it, not the file)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _qualified_name(fn) -> str:
@@ -338,15 +509,16 @@ def _qualified_name(fn) -> str:
     return f"{getattr(obj, '__module__', '?')}.{obj.__qualname__}"
 
 
-def _chunk_records(
-    idx, seed, source, pols, chunk, n_cells, tick, horizon, K, step_fraction, conv_tol, nodes
-) -> list[dict]:
+def _chunk_records(idx, seed, source, pols, chunk, n_cells, tick, horizon, K, opts) -> list[dict]:
     """The records of the scenarios `idx` (at most `chunk`), computed as one batch."""
+    from ._critical_batch import batch_critical_step_size
     from ._equilibrium import solve_equilibrium
-    from ._lyapunov import batch_diagnostics
     from ._simulate import simulate
+    from ._stability import scale_delays
+    from ._theorem1 import Ladder, batch_certificate, theorem1_ladder
 
-    dicts = [source(seed, i) for i in idx]
+    many = getattr(source, "many", None)
+    dicts = many(seed, idx) if many is not None else [source(seed, i) for i in idx]
     scns = [
         scenario_from_dict({k: v for k, v in d.items() if k not in ("index", "utilisation")})
         for d in dicts
@@ -354,6 +526,7 @@ def _chunk_records(
     # Pad the chunk to a fixed batch and cell count: one compilation serves all chunks.
     fill = scns + [scns[-1]] * (chunk - len(scns))
     batch = stack_scenarios(fill, n_cells=max([n_cells[1]] + [s.n_cells for s in scns]))
+    n = batch.n_cells
     recs = [
         {
             "index": i,
@@ -365,57 +538,97 @@ def _chunk_records(
     ]
     for pol, cost in pols:
         eq = solve_equilibrium(batch, cost, throw=False, check=False)
-        eta_star = _thresholds(scns, pol, nodes, eq)
-        eta_fill = [
-            e * step_fraction if e is not None and math.isfinite(e) else 0.05 for e in eta_star
-        ]
-        eta_fill += [eta_fill[-1]] * (chunk - len(eta_fill))
-        eta = np.asarray(eta_fill)
+        eq_ok = eq.status_names() == "success"
+        if opts.step_rule == "paper":
+            from ._experiment import paper_step_sizes
+
+            steps = paper_step_sizes(fill, cost, n)
+            weights = steps / np.maximum(steps.max(axis=1, keepdims=True), 1e-300)
+        else:
+            steps, weights = None, None
+        crit = batch_critical_step_size(batch, pol, eq, step_weights=weights)
+        eta_star = np.where(eq_ok, np.asarray(crit.critical_step_size), np.nan)
+        usable = np.isfinite(eta_star) & (eta_star > 0)
+        if steps is None:
+            eta = np.where(usable, opts.step_fraction * eta_star, 0.05)
+            eta_routers = np.broadcast_to(eta[:, None], (chunk, n))
+            ratio = np.where(usable, opts.step_fraction, np.nan)
+        else:
+            eta_routers = steps
+            eta = steps.max(axis=1)
+            ratio = np.where(usable, eta / np.where(usable, eta_star, 1.0), np.nan)
         sol = simulate(
             batch,
             pol,
-            step_size=eta[:, None],
+            step_size=np.asarray(eta_routers) if steps is not None else eta[:, None],
             tick=tick,
             horizon=horizon,
             n_save=K,
             throw=False,
         )
-        d = batch_diagnostics(
+        cert = batch_certificate(
             cost,
             batch.strip(),
             eq.N,
             eq.x,
-            jnp.broadcast_to(jnp.asarray(eta)[:, None], (chunk, batch.n_cells)),
+            jnp.asarray(eta_routers),
             jnp.full(chunk, tick),
             sol.t,
             sol.N,
             sol.x,
         )
-        tad = np.asarray(d.time_average_distance[:, -1])
+        tad = np.asarray(cert.lhs) / horizon
         Nf = np.asarray(sol.N[:, -1])
         Ns = np.asarray(eq.N)
         osc = np.asarray(sol.oscillation())
         st = sol.status_names()
         eqst = eq.status_names()
+        crst = crit.status_names()
+        theorem: list[dict] = [{} for _ in recs]
+        if opts.ladder == "full":
+            lad = Ladder(tau_scales=opts.tau_scales)
+            eqs, stars = {1.0: eq}, {1.0: eta_star}
+            for sc in opts.tau_scales:
+                if sc != 1.0:
+                    scaled = scale_delays(batch, sc)
+                    eqs[sc] = solve_equilibrium(scaled, cost, throw=False, check=False)
+                    ok_s = eqs[sc].status_names() == "success"
+                    cs = batch_critical_step_size(scaled, pol, eqs[sc], step_weights=weights)
+                    stars[sc] = np.where(ok_s, np.asarray(cs.critical_step_size), np.nan)
+            theorem = theorem1_ladder(
+                batch, pol, eqs, stars, horizon=horizon, tick=tick, ladder=lad,
+                n_real=len(recs),
+            )  # fmt: skip
         for b, rec in enumerate(recs):
-            n = rec["n_cells"]
-            dist = float(np.max(np.abs(Nf[b, :n] - Ns[b, :n])))
-            scale = max(1.0, float(np.max(Ns[b, :n])))
-            es = eta_star[b]
-            rec["policies"][pol] = {
+            nb = rec["n_cells"]
+            dist = float(np.max(np.abs(Nf[b, :nb] - Ns[b, :nb])))
+            scale = max(1.0, float(np.max(Ns[b, :nb])))
+            es = float(eta_star[b])
+            th = theorem[b]
+            one = {
                 "step_size": float(eta[b]),
-                "critical_step_size": None if es is None or not math.isfinite(es) else float(es),
-                "eta_over_eta_star": None
-                if es is None or not math.isfinite(es)
-                else float(eta[b] / es),
+                "critical_step_size": es if math.isfinite(es) else None,
+                "critical_step_status": str(crst[b]),
+                "eta_over_eta_star": float(ratio[b]) if math.isfinite(ratio[b]) else None,
                 "time_average_distance": float(tad[b]),
                 "final_distance": dist,
                 "oscillation": float(osc[b]),
-                "converged": bool(dist <= conv_tol * scale and st[b] == "success"),
+                "converged": bool(dist <= opts.conv_tol * scale and st[b] == "success"),
                 "status": str(st[b]),
                 "equilibrium_status": str(eqst[b]),
                 "kkt_residual": float(np.asarray(eq.kkt_residual)[b]),
+                "certificate": cert.record(b),
+                "bound": th.get("bound"),
+                "schedule_slope": th.get("schedule_slope"),
+                "schedule_delay_share": th.get("schedule_delay_share"),
+                "g1_growth_exponent": th.get("g1_growth_exponent"),
+                "g1_by_tau_scale": th.get("g1_by_tau_scale"),
+                "empirical_eta0": th.get("empirical_eta0"),
+                "eta0_over_eta_star": th.get("eta0_over_eta_star"),
             }
+            if steps is not None:
+                one["step_sizes"] = [float(v) for v in steps[b, :nb]]
+            rec["policies"][pol] = one
     return recs
 
 
@@ -426,7 +639,10 @@ def _utilisation(scn) -> float:
 
 
 def _thresholds(scns, policy: str, nodes: int, eq) -> list:
-    """Critical step sizes around the batch's own equilibria (no second solve)."""
+    """Critical step sizes around the batch's own equilibria (no second solve), one
+    scenario at a time by the pseudospectral method (theory/stability.md §3): `verify`
+    used this loop before `batch_critical_step_size`; the experiment's oracle step rule
+    still does."""
     from types import SimpleNamespace
 
     from ._stability import critical_step_size

@@ -1,0 +1,584 @@
+"""Theorem 1 verified: the integrated drift certificate and the bound's constants
+(seed §4.1, App. C.3; theory/lyapunov.md, *Theorem 1, checked*).
+
+Two things are computed for flow routing around an equilibrium $(N^*, x^*)$:
+
+* **The certificate** of one trajectory (`batch_certificate`): the drift inequality of
+  theory/lyapunov.md integrated over $[0, T]$,
+  $$\\int_0^T\\sum_jD_j \\le [R + \\Phi](0) - [R + \\Phi](T) - \\int_0^T\\sum_i\\lambda_iS_i^\\tau
+  + \\int_0^T\\sum_{ij}\\lambda_i\\Gamma_{ij},$$
+  with every integral taken the way the tick model pairs routings and observations, so
+  that it holds for the simulated trajectory itself (its only inequality is the
+  projection's); beside it, the amount by which the trajectory exceeds the same
+  inequality read in continuous time (the discretisation excess, $O(h)$).
+* **The bound's constants** on a ladder of runs (`fit_bound`, `schedule_slope`,
+  `growth_exponent`, `empirical_eta0`, `theorem1_ladder`): time-average distances at
+  several horizons and step sizes fitted to $A/(T\\eta) + B\\eta + C/T$ with
+  $A, B, C \\ge 0$, the slope of the $\\eta = cT^{-1/2}$ schedule, the growth of $B$ with
+  the delays, and the largest step size at which the time-average distance still falls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float
+
+from ._costs import cost_from_name
+from ._lyapunov import (
+    _cumtrapz,
+    _delayed,
+    fit_theorem1,
+    loglog_slope,
+    workload_gap,
+    workload_potential,
+)
+
+# A ladder point lies under the fitted bound when distance <= (1 + BOUND_TOLERANCE) bound.
+BOUND_TOLERANCE = 0.25
+# The delay term matters at a schedule point when B eta >= DELAY_SHARE x the bound.
+DELAY_SHARE = 0.1
+# The distance "still falls" when its mean over [T/2, T] is below this fraction of its
+# mean over [T/4, T/2] (`window_ratio`; about 1 on a limit cycle, above 1 when it grows).
+FALLING = 0.9
+
+
+# ----------------------------------------------------------------------------------------
+# The certificate of one trajectory
+# ----------------------------------------------------------------------------------------
+
+
+class Certificate(eqx.Module):
+    """The integrated drift inequality along trajectories (arrays over the batch).
+
+    **Fields:**
+    - `lhs`: $\\int_0^T\\sum_jD_j$ (trapezoid rule on the per-tick saves).
+    - `rhs`: `routing_start + workload_start - routing_end - workload_end - delay_gap +
+      mismatch`.
+    - `routing_start`, `routing_end`: $R(0)$, $R(T)$; `workload_start`, `workload_end`:
+      $\\Phi(0)$, $\\Phi(T)$.
+    - `delay_gap`: $\\int_0^T\\sum_i\\lambda_iS^\\tau_i$, the delayed routings' slackness.
+    - `mismatch`: $\\int_0^T\\sum_{ij}\\lambda_i\\Gamma_{ij}$, in the tick model's pairing: the
+      delayed routing against the current cost in continuous time, minus
+      $h\\sum_{k=1}^{K}\\sum_i\\lambda_i(x^k_i - x^*_i)\\cdot\\hat c^k_i$, each routing against the
+      observation it was computed from.
+    - `tolerance`: the quadrature defect of the workload identity
+      $\\Phi(T) - \\Phi(0) = \\int\\sum_j(f_j - f_j^*)(\\text{inflow}_j - \\mu_j)$, plus $10^{-6}$ of
+      the terms' size: what `holds` allows for.
+    - `discretisation_excess`: $\\max(0, \\text{lhs} - \\text{rhs}_c)$, $\\text{rhs}_c$ the same
+      right-hand side read in continuous time from the saves (left-point rule, as
+      `Diagnostics.drift_excess`): first order in the tick.
+    - `holds`: `lhs <= rhs + tolerance`.
+    """
+
+    lhs: Float[Array, " B"]
+    rhs: Float[Array, " B"]
+    routing_start: Float[Array, " B"]
+    workload_start: Float[Array, " B"]
+    routing_end: Float[Array, " B"]
+    workload_end: Float[Array, " B"]
+    delay_gap: Float[Array, " B"]
+    mismatch: Float[Array, " B"]
+    tolerance: Float[Array, " B"]
+    discretisation_excess: Float[Array, " B"]
+    holds: Bool[Array, " B"]
+
+    def record(self, b: int = 0) -> dict:
+        """The JSON record of trajectory `b` (`verify`'s `certificate`; `b` is ignored for
+        the 0-d fields of one trajectory, `certificate`)."""
+        v = {}
+        for f in dataclasses.fields(self):
+            a = np.asarray(getattr(self, f.name))
+            v[f.name] = a[b] if a.ndim else a
+        return {
+            "holds": bool(v["holds"]),
+            "lhs": float(v["lhs"]),
+            "rhs": float(v["rhs"]),
+            "discretisation_excess": float(v["discretisation_excess"]),
+            "tolerance": float(v["tolerance"]),
+            "terms": {
+                k: float(v[k])
+                for k in (
+                    "routing_start",
+                    "workload_start",
+                    "routing_end",
+                    "workload_end",
+                    "delay_gap",
+                    "mismatch",
+                )
+            },
+        }
+
+
+def _certificate_impl(cost, scn, N_star, x_star, eta, h, t, N, x):
+    cost = cost_from_name(cost)
+    K = t.shape[0] - 1
+    lam = jnp.where(scn.cell_mask, scn.arrival_rate(0.0), 0.0)
+    tau = jnp.where(scn.allowed, scn.latency, 0.0)
+    g = jnp.where(scn.allowed, cost.arc(scn), 0.0)
+    f_star = cost.destination(scn, N_star)
+    c_star = jnp.where(scn.allowed, f_star[None, :] + g, 0.0)
+    allowed = scn.allowed[None]
+    dx = jnp.where(allowed, x - x_star[None], 0.0)  # (K+1, n, n)
+    w = jnp.where(eta > 0, lam / (2.0 * jnp.where(eta > 0, eta, 1.0)), 0.0)
+    R = jnp.sum(w[None] * jnp.sum(dx**2, axis=-1), axis=-1)
+    Phi0 = workload_potential(cost, scn, N[0], N_star)
+    PhiT = workload_potential(cost, scn, N[-1], N_star)
+    gap = jnp.sum(workload_gap(cost, scn, N, N_star[None]), axis=-1)
+    lhs = _cumtrapz(gap, t)[-1]
+    f = cost.destination(scn, N)  # (K+1, n)
+
+    # Tick k (k = 0..K-1) carries x^{k-m-1} on [t_k, t_k + r) and x^{k-m} after (x^0
+    # before 0), with tau = m h + r (theory/discretisation.md).
+    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)[None]
+    r = jnp.maximum(tau - m[0] * h, 0.0)[None]  # (1, n, n)
+    k = jnp.arange(K)[:, None, None]
+    rows = jnp.arange(tau.shape[0])[None, :, None]
+    cols = jnp.arange(tau.shape[1])[None, None, :]
+    prev = dx[jnp.maximum(k - m - 1, 0), rows, cols]  # (K, n, n)
+    cur = dx[jnp.maximum(k - m, 0), rows, cols]
+    # f_j(N_j(t)) linear on each tick: its integral over [0, r) and [r, h).
+    f0, f1 = f[:-1][:, None, :], f[1:][:, None, :]
+    first = r * f0 + (f1 - f0) * r**2 / (2.0 * h)
+    second = 0.5 * h * (f0 + f1) - first
+    lam3 = lam[None, :, None]
+    gk = g[None]
+    seen_now = jnp.sum(lam3 * (prev * (first + gk * r) + cur * (second + gk * (h - r))))
+    delay_gap = jnp.sum(lam3 * c_star[None] * (prev * r + cur * (h - r)))
+    # Each routing x^k (k >= 1) with the observation c(N(t_k - tau)) it was computed from.
+    N_del = _delayed(N, h, tau, jnp.arange(K + 1), piecewise_constant=False)
+    c_seen = jnp.where(allowed, cost.destination(scn, N_del) + g[None], 0.0)
+    paired = jnp.sum(lam[None, :, None] * dx * c_seen, axis=(-2, -1))  # (K+1,)
+    mismatch = seen_now - h * jnp.sum(paired[1:])
+    rhs = R[0] + Phi0 - R[-1] - PhiT - delay_gap + mismatch
+    defect = (PhiT - Phi0) - (seen_now - delay_gap) + lhs
+    size = R[0] + Phi0 + lhs + jnp.abs(delay_gap) + jnp.abs(mismatch)
+    tol = jnp.abs(defect) + 1e-6 * size
+
+    # The same inequality read in continuous time (left-point rule on ticks).
+    x_del = _delayed(x, h, tau, jnp.arange(K + 1), piecewise_constant=True)
+    dx_del = jnp.where(allowed, x_del - x_star[None], 0.0)
+    c_now = jnp.where(allowed, f[:, None, :] + g[None], 0.0)
+    slack_del = jnp.sum(lam[None, :, None] * dx_del * c_star[None], axis=(-2, -1))
+    gamma = jnp.sum(lam[None, :, None] * (dx_del * c_now - dx * c_seen), axis=(-2, -1))
+    dt = jnp.diff(t)
+    rhs_c = R[0] + Phi0 - R[-1] - PhiT - jnp.sum(slack_del[:-1] * dt) + jnp.sum(gamma[:-1] * dt)
+    return Certificate(
+        lhs=lhs,
+        rhs=rhs,
+        routing_start=R[0],
+        workload_start=Phi0,
+        routing_end=R[-1],
+        workload_end=PhiT,
+        delay_gap=delay_gap,
+        mismatch=mismatch,
+        tolerance=tol,
+        discretisation_excess=jnp.maximum(lhs - rhs_c, 0.0),
+        holds=lhs <= rhs + tol,
+    )
+
+
+@eqx.filter_jit
+def batch_certificate(cost, scn, N_star, x_star, eta, h, t, N, x) -> Certificate:
+    """`Certificate` of a batch of trajectories saved at every tick (leading axis on every
+    argument but `cost`: the stripped scenarios, $N^*$, $x^*$, the per-router steps
+    $\\eta_i$, the tick, `Solution.t`, `.N`, `.x`), one compile per shape."""
+    return jax.vmap(lambda *a: _certificate_impl(cost, *a))(scn, N_star, x_star, eta, h, t, N, x)
+
+
+def certificate(solution, scenario, equilibrium, *, cost: str, step_size) -> Certificate:
+    """The integrated drift certificate of one flow-routing trajectory (module docstring).
+
+    **Arguments:** as `lyapunov_diagnostics`: an unbatched `Solution` saved at every tick,
+    its `Scenario` (constant arrival rates), the equilibrium (`N`, `x`) of `cost`, and the
+    step size $\\eta$ (scalar or per router).
+
+    **Returns:** a `Certificate` of 0-d arrays.
+
+    **Raises:** `ValueError` for a batched solution or one not saved at every tick.
+    """
+    from ._lyapunov import _check_per_tick
+
+    t, h = _check_per_tick(solution)
+    n = scenario.n_cells
+    eta = jnp.broadcast_to(jnp.asarray(step_size, t.dtype), (n,))
+    one = batch_certificate(
+        cost_from_name(cost),
+        jax.tree_util.tree_map(lambda a: a[None], scenario.strip()),
+        jnp.asarray(equilibrium.N)[None, ..., :n],
+        jnp.asarray(equilibrium.x)[None, ..., :n, :n],
+        eta[None],
+        jnp.asarray(h, t.dtype)[None],
+        t[None],
+        jnp.asarray(solution.N)[None],
+        jnp.asarray(solution.x)[None],
+    )
+    return jax.tree_util.tree_map(lambda a: a[0], one)
+
+
+# ----------------------------------------------------------------------------------------
+# The bound's constants
+# ----------------------------------------------------------------------------------------
+
+
+def bound(fit: dict, T, eta):
+    """$A/(T\\eta) + B\\eta + C/T$ with the constants of `fit`."""
+    T, eta = np.asarray(T, float), np.asarray(eta, float)
+    return fit["A"] / (T * eta) + fit["B"] * eta + fit["C"] / T
+
+
+def fit_bound(T, eta, distance, *, tolerance: float = BOUND_TOLERANCE) -> dict:
+    """Fit the time-average distances of a ladder to $A/(T\\eta) + B\\eta + C/T$ with
+    $A, B, C \\ge 0$ (relative non-negative least squares, `fit_theorem1(nonneg=True)`).
+
+    **Returns:** `dict(A, B, C, fit_rel_rms, max_ratio, holds)`: `fit_rel_rms` the rms of
+    the relative residuals, `max_ratio` the largest distance / bound, `holds` whether every
+    point lies under the bound within `tolerance` (`max_ratio <= 1 + tolerance`). Points
+    with a zero or non-finite distance are left out; fewer than three leave every value
+    `None`.
+    """
+    T, eta, y = (np.asarray(v, float).ravel() for v in (T, eta, distance))
+    ok = np.isfinite(T) & np.isfinite(eta) & np.isfinite(y) & (y > 0) & (eta > 0) & (T > 0)
+    if ok.sum() < 3:
+        return {k: None for k in ("A", "B", "C", "fit_rel_rms", "max_ratio", "holds")}
+    fit = fit_theorem1(T[ok], eta[ok], y[ok], nonneg=True)
+    ratio = y[ok] / np.maximum(bound(fit, T[ok], eta[ok]), 1e-300)
+    return {
+        "A": fit["A"],
+        "B": fit["B"],
+        "C": fit["C"],
+        "fit_rel_rms": fit["rel_rmse"],
+        "max_ratio": float(ratio.max()),
+        "holds": bool(ratio.max() <= 1.0 + tolerance),
+    }
+
+
+def delay_share(fit: dict, T, eta) -> np.ndarray:
+    """$B\\eta$ / bound at each point: the delay term's share of the bound."""
+    b = bound(fit, T, eta)
+    return np.where(b > 0, fit["B"] * np.asarray(eta, float) / np.where(b > 0, b, 1.0), 0.0)
+
+
+def schedule_slope(T, distance) -> float | None:
+    """Log-log slope of the time-average distance along $\\eta = cT^{-1/2}$ (theorem: $-1/2$);
+    `None` with fewer than two positive finite points."""
+    T, y = np.asarray(T, float), np.asarray(distance, float)
+    ok = np.isfinite(y) & (y > 0)
+    return loglog_slope(T[ok], y[ok]) if ok.sum() >= 2 else None
+
+
+def growth_exponent(scales, B) -> float | None:
+    """Log-log slope of the fitted $B$ against the delay scale (the growth of $G_1(\\tau)$);
+    `None` unless at least two scales have $B > 0$."""
+    s = np.asarray(scales, float)
+    b = np.asarray([np.nan if v is None else v for v in B], float)
+    ok = np.isfinite(b) & (b > 0)
+    return loglog_slope(s[ok], b[ok]) if ok.sum() >= 2 else None
+
+
+def window_ratio(horizons, tad) -> np.ndarray:
+    """Mean of $\\sum_jD_j$ over $[T_{-2}, T_{-1}]$ divided by its mean over
+    $[T_{-3}, T_{-2}]$, from time-average distances `tad` (last axis) at increasing
+    `horizons` $(\\dots, T_{-3}, T_{-2}, T_{-1})$: below 1 when the distance still falls,
+    about 1 on a limit cycle, above 1 when it grows. Windows, not averages from 0, so that
+    the initial transient does not make an unstable run look as if it fell."""
+    H = np.asarray(horizons, float)
+    I = np.asarray(tad, float) * H  # integral of D from 0
+    late = (I[..., -1] - I[..., -2]) / (H[-1] - H[-2])
+    early = (I[..., -2] - I[..., -3]) / (H[-2] - H[-3])
+    return late / np.where(early > 0, early, np.nan)
+
+
+def empirical_eta0(etas, ratio, *, falling: float = FALLING) -> float | None:
+    """The largest step size of an increasing ladder `etas` up to which the distance
+    still falls (`window_ratio` below `falling`) at that rung and every rung below it;
+    `None` when it does not fall even at the lowest rung."""
+    etas = np.asarray(etas, float)
+    ok = np.asarray(ratio, float) < falling  # (nan: no distance left, counts as not falling)
+    if not ok[0]:
+        return None
+    bad = np.nonzero(~ok)[0]
+    return float(etas[-1] if bad.size == 0 else etas[bad[0] - 1])
+
+
+# ----------------------------------------------------------------------------------------
+# The ladder of runs (one batch per policy and chunk)
+# ----------------------------------------------------------------------------------------
+
+
+class Ladder(eqx.Module):
+    """The runs of `theorem1_ladder`, relative to each scenario's $\\eta^*$ and horizon $T$.
+
+    **Fields:**
+    - `fractions`: the fixed steps of the bound fit, as fractions of
+      $\\eta^*_{ref} = \\min_s\\eta^*(s)$ over the delay scales $s$ (so every scale runs the
+      same steps, all below its own $\\eta^*$); each run is read at the horizons
+      `horizons` $\\times T$.
+    - `horizons`: increasing fractions of $T$, ending at 1.
+    - `eta0_ratio`, `eta0_rungs`: the $\\eta_0$ ladder $\\eta^*\\,$`eta0_ratio`$^k$ (ratio
+      at most 1.2), each run's `window_ratio` over the last three horizons.
+    - `schedule_share`: the delay term's target share $B\\eta/\\text{bound}$ along the
+      schedule $\\eta = cT^{-1/2}$; with the fitted $A$, $B$ it fixes
+      $c^2 = \\frac{\\text{share}}{1 - \\text{share}}\\frac AB$ (capped so that the schedule's
+      largest step is `schedule_cap` $\\eta^*$; $c = $ `schedule_cap` $\\eta^*T_0^{1/2}$
+      when $B = 0$).
+    - `tau_scales`: delay scales at which the bound is refitted (1 = the scenario); each
+      scaled scenario gets its own equilibrium.
+    """
+
+    fractions: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4, 0.7)
+    horizons: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
+    eta0_ratio: float = 1.15
+    eta0_rungs: tuple[int, ...] = (-4, -3, -2, -1, 0, 1, 2, 3)
+    schedule_share: float = 0.25
+    schedule_cap: float = 0.7
+    tau_scales: tuple[float, ...] = (1.0, 2.0, 4.0)
+
+    def __check_init__(self):
+        if not 1.0 < self.eta0_ratio <= 1.2:
+            raise ValueError(
+                f"eta0_ratio = {self.eta0_ratio!r} is invalid: expected a ratio in (1, 1.2]"
+            )
+        if list(self.horizons) != sorted(self.horizons) or self.horizons[-1] != 1.0:
+            raise ValueError(
+                f"horizons = {self.horizons!r} is invalid: expected increasing fractions of "
+                "the horizon ending at 1"
+            )
+        if 1.0 not in self.tau_scales or any(not (s > 0) for s in self.tau_scales):
+            raise ValueError(
+                f"tau_scales = {self.tau_scales!r} is invalid: expected scales > 0 including 1"
+            )
+        if not 0.0 < self.schedule_share < 1.0:
+            raise ValueError(
+                f"schedule_share = {self.schedule_share!r} is invalid: expected a share in (0, 1)"
+            )
+
+    def eta0_ladder(self) -> np.ndarray:
+        return self.eta0_ratio ** np.asarray(self.eta0_rungs, float)
+
+    def config(self) -> dict:
+        """The settings as JSON (for a manifest)."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}  # fmt: skip
+
+
+def ladder_start(batch, cost, equilibrium):
+    """The batch started at $N(0) = N^*$ and $x_i(0) = (x_i^* + e_{w(i)})/2$, halfway from
+    the equilibrium routing to the vertex of router $i$'s costliest allowed arc
+    $w(i) = \\arg\\max_j c^*_{ij}$: a start whose routing part $R(0)$ carries the bound and
+    that is never the equilibrium itself (unless the router has a single arc)."""
+    cost = cost_from_name(cost)
+    N = jnp.asarray(equilibrium.N)
+    x = jnp.asarray(equilibrium.x)
+    scn = batch.strip()
+    c = jax.vmap(lambda s, N: cost.destination(s, N)[None, :] + cost.arc(s))(scn, N)
+    c = jnp.where(batch.allowed, c, -jnp.inf)
+    worst = jax.nn.one_hot(jnp.argmax(c, axis=-1), c.shape[-1], dtype=x.dtype)
+    x0 = jnp.where(batch.allowed, 0.5 * (x + worst), 0.0)
+    x0 = x0 / jnp.maximum(jnp.sum(x0, axis=-1, keepdims=True), 1e-300)
+    x0 = jnp.where(jnp.any(batch.allowed, axis=-1, keepdims=True), x0, batch.initial_routing)
+    return dataclasses.replace(batch, initial_workload=N, initial_routing=x0)
+
+
+def _runs(starts, equilibria, cost, policy, table, horizon, tick, hidx):
+    """Simulate the run `table` (`(scenario index, delay scale, step)`) as one batch from
+    the `starts` (`{scale: batch}`); time-average distances at the save indices `hidx`
+    (ticks), `(len(table), len(hidx))` (`nan` for failed runs or missing steps)."""
+    from ._simulate import simulate
+
+    if not table:
+        return np.zeros((0, len(hidx)))
+    bs = np.asarray([b for b, _, _ in table])
+    sc = [s for _, s, _ in table]
+    big = jax.tree_util.tree_map(
+        lambda *a: jnp.stack(a),
+        *[jax.tree_util.tree_map(lambda v, b=b: v[b], starts[s]) for b, s in zip(bs, sc)],
+    )
+    eqN = jnp.stack([jnp.asarray(equilibria[s].N)[b] for b, s in zip(bs, sc)])
+    eta = np.asarray([e for _, _, e in table], float)
+    valid = np.isfinite(eta) & (eta > 0)
+    K = int(round(horizon / tick))
+    # Saves every `stride` <= 10 ticks (the trapezoid rule on them resolves D's
+    # transients), the ladder's horizons among them.
+    stride = math.gcd(10, *[int(v) for v in hidx])
+    sol = simulate(
+        big,
+        policy,
+        step_size=np.where(valid, eta, 1e-3)[:, None],
+        tick=tick,
+        horizon=horizon,
+        n_save=K // stride,
+        throw=False,
+    )
+    tad = np.asarray(
+        _time_average(cost, big.strip(), eqN, sol.t, sol.N, np.asarray(hidx) // stride)
+    )
+    ok = (np.asarray(sol.status) == 0) & valid
+    return np.where(ok[:, None], tad, np.nan)
+
+
+def _after_peak(tad):
+    """Time-average distances from each run's largest one on (`nan` before it): before
+    that the trajectory is still in its initial transient (from $N(0) = N^*$ the distance
+    first grows), where the bound is far from tight and its $1/T$ terms are not yet the
+    shape of the data."""
+    tad = np.asarray(tad, float)
+    peak = np.argmax(np.where(np.isfinite(tad), tad, -np.inf), axis=-1)
+    j = np.arange(tad.shape[-1])
+    return np.where(j[None, :] >= peak[:, None], tad, np.nan)
+
+
+def theorem1_ladder(
+    scenario,
+    policy: str,
+    equilibria,
+    eta_star,
+    *,
+    horizon: float,
+    tick: float,
+    ladder: Ladder = Ladder(),
+    n_real: int | None = None,
+    keep_points: bool = False,
+) -> list[dict]:
+    """The Theorem-1 ladder of a batch of scenarios under one flow policy.
+
+    For scenario $b$ (theory/lyapunov.md, *Theorem 1, checked*): runs started by
+    `ladder_start` at the fixed steps and the $\\eta_0$ rungs of `ladder`, all stacked into
+    one `simulate` call; their time-average distances $\\frac1T\\int_0^T\\sum_jD_j$ at the
+    ladder's horizons; `empirical_eta0`; `fit_bound` per delay scale on the fixed steps
+    (at scale 1 also the stable rungs, up to $\\eta_0$), and `growth_exponent` of the
+    fitted $B$; then a second batch, the schedule $\\eta = cT^{-1/2}$ with $c$ from the
+    fit (`Ladder.schedule_share`), and its `schedule_slope`.
+
+    **Arguments:**
+    - `scenario`: a batch (`stack_scenarios`); `n_real`: how many leading entries are
+      real (the rest padding, skipped in the output).
+    - `policy`: a flow policy name.
+    - `equilibria`: `{scale: equilibrium}` of the policy's cost for every `tau_scales`
+      entry (scale 1: that of `scenario`); `eta_star`: `{scale: (B,) array}`.
+    - `horizon`, `tick`: $T$ and $h$ of every run.
+
+    **Returns:** one dict per real scenario: `bound` (`fit_bound`, plus `delay_share`, the
+    largest $B\\eta$/bound over its points), `schedule_slope`, `schedule_delay_share` (the
+    smallest $B\\eta$/bound along the schedule), `schedule_c`, `g1_growth_exponent`,
+    `g1_by_tau_scale` (`{scale: B}`), `empirical_eta0`, `eta0_over_eta_star`; with
+    `keep_points`, also `points`: every run's `kind`, `tau_scale`, `eta` and its `distance`
+    at the horizons `T`.
+    """
+    from ._policies import policy_from_name
+    from ._stability import scale_delays
+
+    cost = policy_from_name(policy).cost
+    Bn = scenario.batch_shape[0]
+    n_real = Bn if n_real is None else n_real
+    Hs = np.asarray(ladder.horizons) * horizon
+    hidx = np.rint(Hs / tick).astype(int)
+    if np.any(hidx < 1):
+        raise ValueError(f"horizon = {horizon} is too short for the ladder's horizons {Hs}")
+    scales = sorted(ladder.tau_scales)
+    starts = {
+        s: ladder_start(scale_delays(scenario, s) if s != 1.0 else scenario, cost, equilibria[s])
+        for s in scales
+    }
+    es = {s: np.asarray(eta_star[s], float) for s in scales}
+    es = {s: np.where(np.isfinite(v) & (v > 0), v, np.nan) for s, v in es.items()}
+    ref = np.min(np.stack([es[s] for s in scales]), axis=0)
+    table, kinds = [], []
+    for b in range(n_real):
+        for s in scales:
+            for f in ladder.fractions:
+                table.append((b, s, f * ref[b]))
+                kinds.append("fixed")
+        for q in ladder.eta0_ladder():
+            table.append((b, 1.0, q * es[1.0][b]))
+            kinds.append("eta0")
+    tad = _runs(starts, equilibria, cost, policy, table, horizon, tick, hidx)
+    results: list[dict] = []
+    sched_table: list[tuple[int, float, float]] = []
+    sched_of: dict[int, list[int]] = {}
+    for b in range(n_real):
+        e1 = es[1.0][b]
+        rec: dict = {
+            "bound": None,
+            "schedule_slope": None,
+            "schedule_delay_share": None,
+            "schedule_c": None,
+            "g1_growth_exponent": None,
+            "g1_by_tau_scale": {},
+            "empirical_eta0": None,
+            "eta0_over_eta_star": None,
+        }
+        results.append(rec)
+        if not math.isfinite(e1):
+            continue
+        mine = [k for k, (bb, _, _) in enumerate(table) if bb == b]
+        e0 = [k for k in mine if kinds[k] == "eta0"]
+        eta0 = empirical_eta0([table[k][2] for k in e0], window_ratio(Hs, tad[e0]))
+        rec["empirical_eta0"] = eta0
+        rec["eta0_over_eta_star"] = None if eta0 is None else eta0 / e1
+        Bs: dict = {}
+        for s in scales:
+            use = [k for k in mine if kinds[k] == "fixed" and table[k][1] == s]
+            if s == 1.0 and eta0 is not None:
+                use += [k for k in e0 if table[k][2] <= eta0 * (1 + 1e-12)]
+            T = np.repeat(Hs[None], len(use), axis=0)
+            eta = np.repeat(np.asarray([table[k][2] for k in use])[:, None], len(Hs), axis=1)
+            fit = fit_bound(T, eta, _after_peak(tad[use]))
+            Bs[s] = fit["B"]
+            if s == 1.0:
+                if fit["A"] is not None:
+                    fit["delay_share"] = float(np.max(delay_share(fit, T, eta)))
+                rec["bound"] = fit
+        rec["g1_by_tau_scale"] = {str(s): Bs[s] for s in scales}
+        rec["g1_growth_exponent"] = growth_exponent(scales, [Bs[s] for s in scales])
+        fit = rec["bound"]
+        if fit["A"] is None:
+            continue
+        # eta(T0) = c T0^(-1/2) at most schedule_cap eta*.
+        cap = ladder.schedule_cap * e1 * math.sqrt(Hs[0])
+        share = ladder.schedule_share
+        c = math.sqrt(share / (1 - share) * fit["A"] / fit["B"]) if fit["B"] > 0 else cap
+        c = min(c, cap)
+        rec["schedule_c"] = c
+        sched_of[b] = []
+        for j in range(len(Hs)):
+            sched_of[b].append(len(sched_table))
+            sched_table.append((b, 1.0, c / math.sqrt(Hs[j])))
+        if keep_points:
+            rec["points"] = [
+                {"kind": kinds[k], "tau_scale": table[k][1], "eta": table[k][2],
+                 "T": Hs.tolist(), "distance": tad[k].tolist()}
+                for k in mine
+            ]  # fmt: skip
+    sched = _runs(starts, equilibria, cost, policy, sched_table, horizon, tick, hidx)
+    for b, rows in sched_of.items():
+        rec = results[b]
+        y = np.asarray([sched[k, j] for j, k in enumerate(rows)])
+        eta = np.asarray([sched_table[k][2] for k in rows])
+        rec["schedule_slope"] = schedule_slope(Hs, y)
+        rec["schedule_delay_share"] = float(np.min(delay_share(rec["bound"], Hs, eta)))
+        if keep_points:
+            rec["points"] += [
+                {"kind": "schedule", "tau_scale": 1.0, "eta": float(eta[j]),
+                 "T": Hs.tolist(), "distance": sched[k].tolist()}
+                for j, k in enumerate(rows)
+            ]  # fmt: skip
+    return results
+
+
+@eqx.filter_jit
+def _time_average(cost, scn, N_star, t, N, idx):
+    """$\\frac1{t_k}\\int_0^{t_k}\\sum_jD_j$ at the save indices `idx`, batched."""
+    cost = cost_from_name(cost)
+
+    def one(s, Ns, t, N):
+        gap = jnp.sum(workload_gap(cost, s, N, Ns[None]), axis=-1)
+        cum = _cumtrapz(gap, t)
+        return cum[idx] / t[idx]
+
+    return jax.vmap(one)(scn, N_star, t, N)
