@@ -24,10 +24,13 @@ if TYPE_CHECKING:
     from ._costs import cost_from_name as cost_from_name
     from ._costs import destination_cost as destination_cost
     from ._costs import route_costs as route_costs
+    from ._critical_batch import BatchStability as BatchStability
+    from ._critical_batch import batch_critical_step_size as batch_critical_step_size
     from ._equilibrium import EQ_STATUS as EQ_STATUS
     from ._equilibrium import EquilibriumError as EquilibriumError
     from ._equilibrium import EquilibriumSolution as EquilibriumSolution
     from ._equilibrium import price_of_anarchy as price_of_anarchy
+    from ._equilibrium import rif_latency_range as rif_latency_range
     from ._equilibrium import solve_equilibrium as solve_equilibrium
     from ._equilibrium_grad import equilibrium_sensitivities as equilibrium_sensitivities
     from ._errors import OverloadError as OverloadError
@@ -99,7 +102,11 @@ if TYPE_CHECKING:
     from ._stability import herding as herding
     from ._stability import linearise as linearise
     from ._stability import spectral_abscissa as spectral_abscissa
+    from ._stability import step_size_ratio as step_size_ratio
     from ._stability import symmetric_critical_step_size as symmetric_critical_step_size
+    from ._theorem1 import Certificate as Certificate
+    from ._theorem1 import certificate as certificate
+    from ._theorem1 import fit_bound as fit_bound
     from ._verify import random_network as random_network
     from ._verify import verify as verify
 

@@ -12,3 +12,10 @@ by then.
 
 PROBE_TICK = 0.005
 """Default tick $h$ in seconds (probe, routing-update and decision-hold period)."""
+
+STABILITY_METHODS = ("auto", "symmetric", "pseudospectral", "nyquist")
+"""Methods of `critical_step_size` (theory/stability.md §2, §3, §3.6)."""
+STABILITY_NODES = 16
+"""Default Chebyshev nodes of the pseudospectral method (theory/stability.md §3.2)."""
+FLOW_POLICIES = ("flow-grad", "flow-lat", "flow-rif")
+"""The built-in flow policies (`dlbfluid._registry.flow_policy_names` lists all)."""

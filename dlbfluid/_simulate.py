@@ -359,6 +359,37 @@ def _hist_len(tau_max_over_h: float) -> int:
     return 1 << max(need - 1, 1).bit_length()
 
 
+MASS_BALANCE_ULPS = 64.0
+"""A run's conservation residual may reach this many machine epsilons per tick (relative to
+the requests it counts) before its status becomes `mass_balance` (`_mass_balance_status`)."""
+
+
+def _mass_balance_status(rec, status, mask, ticks: int):
+    """`mass_balance` for a run that succeeded but does not conserve requests beyond
+    rounding: per cell, $N_j(T) - N_j(0) = A_j - S_j - D_j$ (arrivals, services and drops
+    integrated over $[0, T]$), and over the network, requests that reached the routers
+    equal those that reached a cell plus the change of those in flight.
+
+    Both identities hold to rounding whatever the tick (each tick's totals are the
+    integrals of the rates that moved $N$): measured $10^{-14}$ relative in float64 and
+    $4\times10^{-7}$ in float32 over 1,000 ticks of every policy. The tolerance is
+    `MASS_BALANCE_ULPS` epsilons of the run's dtype per tick, relative to the requests
+    counted; beyond it something lost or created requests (an integrator that does not
+    conserve them, an invalid state the other checks let through) and the numbers must
+    not be labelled `success`."""
+    N, a, d, dr = rec["N"], rec["arrivals"], rec["departures"], rec["drops"]
+    src, fly = rec["source_arrivals"], rec["in_flight"]
+    m = mask.astype(N.dtype)
+    cell = jnp.abs((N[:, -1] - N[:, 0]) - (a[:, -1] - d[:, -1] - dr[:, -1])) * m
+    net = jnp.abs(
+        jnp.sum(src[:, -1] * m, -1) - jnp.sum(a[:, -1] * m, -1) - (fly[:, -1] - fly[:, 0])
+    )
+    scale = 1.0 + jnp.sum((jnp.abs(a[:, -1]) + jnp.abs(N[:, 0]) + jnp.abs(N[:, -1])) * m, -1)
+    tol = MASS_BALANCE_ULPS * float(jnp.finfo(N.dtype).eps) * max(ticks, 1) * scale
+    bad = (jnp.max(cell, -1) > tol) | (net > tol) | ~jnp.isfinite(net)
+    return jnp.where((status == RESULTS.success) & bad, RESULTS.mass_balance, status)
+
+
 def simulate(
     scenario: Scenario,
     policy: str | AbstractPolicy,
@@ -519,6 +550,7 @@ def simulate(
     )
     if pad:
         rec, status, change = jax.tree_util.tree_map(lambda a: a[:Bb], (rec, status, change))
+    status = _mass_balance_status(rec, status, jnp.asarray(scn.cell_mask[:Bb]), int(K.max()))
     sol = Solution(
         t=rec["t"],
         N=rec["N"],

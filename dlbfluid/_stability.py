@@ -47,15 +47,14 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 
+from ._defaults import FLOW_POLICIES
+from ._defaults import STABILITY_METHODS as METHODS
+from ._defaults import STABILITY_NODES as DEFAULT_NODES
 from ._policies import AbstractPolicy, FlowRouting, policy_from_name
 from ._progress import Progress
 from ._registry import flow_policy_names
 from ._scenario import Scenario
 
-METHODS = ("auto", "symmetric", "pseudospectral", "nyquist")
-FLOW_POLICIES = ("flow-grad", "flow-lat", "flow-rif")
-"""The built-in flow policies (`dlbfluid._registry.flow_policy_names` lists all)."""
-DEFAULT_NODES = 16
 AUTO_PSEUDOSPECTRAL_SIZE = 600
 """`method="auto"` uses the pseudospectral method up to this generator size $(M+1)d$."""
 NOISE = 1e-13

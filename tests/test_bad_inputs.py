@@ -354,9 +354,13 @@ def test_bad_out_refused_before_work(command, where, tmp_path, capsys, no_work):
 
 def test_good_out_reaches_the_work(tmp_path, capsys, no_work):
     # (the guard above is not vacuous: a usable --out goes on to the computation)
-    with pytest.raises(ComputationStarted, match="^simulate$"):
-        main(SIM + ["--horizon", "1", "--tick", "0.5", "--out", str(tmp_path / "new" / "run")])
+    # (the first computation is the step-size check's equilibrium, then the simulation)
+    argv = SIM + ["--horizon", "1", "--tick", "0.5", "--out", str(tmp_path / "new" / "run")]
+    with pytest.raises(ComputationStarted, match="^solve_equilibrium$"):
+        main(argv)
     assert (tmp_path / "new" / "run").is_dir()
+    with pytest.raises(ComputationStarted, match="^simulate$"):
+        main(argv + ["--no-step-check"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -445,6 +449,7 @@ def test_zero_demand_equilibrium(as_json, tmp_path, capsys, monkeypatch):
     if as_json:
         res = json.loads(out)
         assert res["price_of_anarchy"] == {"latency": None, "rif": None}
+        assert res["rif_mean_latency_range"] is None and res["rif_price_of_anarchy_range"] is None
         assert all(r["mean_latency"] is None for r in res["equilibria"])
     else:
         assert "price of anarchy: undefined" in out and "no demand at t = 0 s" in out
@@ -452,11 +457,17 @@ def test_zero_demand_equilibrium(as_json, tmp_path, capsys, monkeypatch):
 
 
 def test_zero_demand_price_of_anarchy_is_nan(monkeypatch):
-    from dlbfluid._equilibrium import api
+    from dlbfluid._equilibrium import api, rif_range
 
     monkeypatch.setattr(api, "solve_equilibrium", _fake_equilibrium)
+    # (what rif_latency_range gives without demand, tests/test_rif_range.py: costs 0, NaN latencies)
+    monkeypatch.setattr(rif_range, "rif_latency_range", lambda scn, **kw: types.SimpleNamespace(
+        mean_latency_low=math.nan, mean_latency_high=math.nan, social_cost_low=0.0,
+        social_cost_high=0.0))  # fmt: skip
     poa = api.price_of_anarchy(dl.scenario_from_dict(ZERO))
     assert math.isnan(float(poa["latency"])) and math.isnan(float(poa["rif"]))
+    assert np.all(np.isnan(np.asarray(poa["rif_price_of_anarchy_range"])))
+    assert np.all(np.isnan(np.asarray(poa["rif_mean_latency_range"])))
 
 
 def _fake_solution(lat, err):

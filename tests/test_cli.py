@@ -9,7 +9,8 @@ from helpers import THREE
 from dlbfluid._cli import main
 
 SIM_KEYS = {"policy", "horizon", "tick", "mean_latency", "error_rate", "window", "throughput", "final",
-            "final_change", "oscillation", "status", "cells", "scenario", "step_size", "wall_s"}
+            "final_change", "oscillation", "status", "cells", "scenario", "step_size", "wall_s",
+            "step_size_check"}
 
 
 @pytest.fixture
@@ -39,6 +40,27 @@ def test_simulate_json_contract(scenario_file, capsys, tmp_path):
     assert res["mean_latency"] == pytest.approx(lat, rel=1e-12)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["policy"] == "flow-grad"
     assert (tmp_path / "run" / "trajectory.png").stat().st_size > 10_000
+    # The step size against the critical one, by the reference (pseudospectral) method.
+    from dlbfluid import critical_step_size, scenario_from_dict
+
+    ref = critical_step_size(scenario_from_dict(THREE), "flow-grad", method="pseudospectral")
+    chk = res["step_size_check"]
+    assert chk["critical_step_size"] == pytest.approx(ref.critical_step_size, rel=1e-6)
+    assert chk["ratio"] == pytest.approx(0.3 / ref.critical_step_size, rel=1e-6)
+
+
+def test_simulate_warns_about_a_step_size_beyond_the_critical_one(scenario_file, capsys):
+    base = ["simulate", str(scenario_file), "--tick", "0.05", "--horizon", "1", "--json"]
+    assert main(base + ["--step-size", "5000"]) == 0
+    cap = capsys.readouterr()
+    chk = json.loads(cap.out)["step_size_check"]
+    assert chk["ratio"] > 100 and chk["method"] == "nyquist"
+    assert f"is {chk['ratio']:.3g} times the critical step size" in cap.err
+    for extra in (["--policy", "rand"], ["--step-size", "5000", "--no-step-check"]):
+        assert main(base + extra) == 0
+        cap = capsys.readouterr()
+        assert json.loads(cap.out)["step_size_check"] is None
+        assert "times the critical step size" not in cap.err
 
 
 def test_simulate_text_and_errors(scenario_file, capsys):
@@ -131,3 +153,29 @@ def test_demo_checks_its_arguments_before_any_work(tmp_path, capsys, monkeypatch
     with pytest.raises(Worked):
         main(["demo", "--out", str(out), "--step-size", "100", "--tick", "0.05"])
     assert "warning: --step-size = 100" in capsys.readouterr().err
+
+
+def test_import_and_help_load_no_jax():
+    """`import dlbfluid` and every `--help` stay jax-free (answers in a fraction of a
+    second; issue 14): run in a fresh interpreter, since this one has JAX loaded."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import dlbfluid\n"
+        "assert 'jax' not in sys.modules, 'import dlbfluid'\n"
+        "from dlbfluid._cli import main\n"
+        "for cmd in ([], ['simulate'], ['demo'], ['equilibrium'], ['stability'], ['verify'],"
+        " ['experiment']):\n"
+        "    try:\n"
+        "        main(cmd + ['--help'])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, cmd\n"
+        "    loaded = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
+        "    assert not loaded, (cmd, loaded[:3])\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("ok")

@@ -16,6 +16,8 @@ EXPECTED = {
     "equilibrium_sensitivities", "ErrorAversion", "ExperimentConfig", "run_experiment",
     "GeneratedScenarios", "generate", "scenario_dicts", "MNLB", "FitInfo", "fit_latency_model",
     "perturb_service", "sample_latency", "MNLB_STATUS", "MNLBInfo", "mnlb_weights",
+    "rif_latency_range", "step_size_ratio", "Certificate", "certificate", "fit_bound",
+    "BatchStability", "batch_critical_step_size",
 }
 
 

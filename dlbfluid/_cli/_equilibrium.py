@@ -108,6 +108,21 @@ def run(args: argparse.Namespace) -> int:
             for c in costs
             if c != "gradient"
         }
+        # RIF's routing is not unique: the range over its equilibria (theory/equilibria.md
+        # §5.1), which the solver's routing (the "rif" ratio above) lies in
+        out["rif_mean_latency_range"] = out["rif_price_of_anarchy_range"] = None
+        if demand > 0:  # (without demand every routing costs 0: nothing to bound)
+            from .._equilibrium import rif_latency_range
+
+            doing("equilibrium", "bounding the mean latency over the RIF equilibria (two LPs)")
+            rr = rif_latency_range(scn, equilibrium=sols["rif"], time=args.time)
+            lo, hi = float(rr.social_cost_low), float(rr.social_cost_high)
+            out["rif_mean_latency_range"] = [
+                float(rr.mean_latency_low),
+                float(rr.mean_latency_high),
+            ]
+            if opt != 0:
+                out["rif_price_of_anarchy_range"] = [lo / opt, hi / opt]
     ok = all(int(s.status) == 0 for s in sols.values())
     if args.json:
         emit_json(out)
@@ -152,6 +167,11 @@ def run(args: argparse.Namespace) -> int:
                 "price of anarchy: "
                 + ", ".join(f"{c} {v:.6f}" for c, v in poa.items())
                 + " (social cost over the social optimum's)"
+            )
+            rl, rp = out["rif_mean_latency_range"], out["rif_price_of_anarchy_range"]
+            print(
+                f"over all RIF equilibria (same N*, other routings): mean latency "
+                f"{rl[0]:.6g} to {rl[1]:.6g} s, price of anarchy {rp[0]:.6f} to {rp[1]:.6f}"
             )
     if not ok:
         print("warning: some equilibria did not reach the KKT tolerance (status above)")

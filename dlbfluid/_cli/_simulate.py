@@ -105,8 +105,41 @@ def register(sub) -> None:
         "--out", metavar="DIR", help="write trajectory.npz, summary.json and trajectory.png to DIR"
     )
     p.add_argument("--no-progress", action="store_true", help="never show progress")
+    p.add_argument(
+        "--no-step-check",
+        action="store_true",
+        help="skip the comparison of a flow policy's --step-size with its critical step size "
+        "eta* (one equilibrium solve and a linear stability test before the run)",
+    )
     add_process_options(p)
     p.set_defaults(func=run)
+
+
+STEP_RATIO_WARN = 1.0
+"""`simulate` warns when a flow policy's step size exceeds this multiple of $\\eta^*$."""
+
+
+def step_check(scn, policy: str, step_size: float, allow_overload: bool) -> dict | None:
+    """The plausibility check of a flow policy's step size (`step_size_ratio`,
+    theory/stability.md §3.8): `{"step_size", "critical_step_size", "ratio", "method"}`, or
+    `{"ratio": None, "reason": ...}` when there is no equilibrium to linearise around
+    (overload under `--allow-overload`) or the test is refused; `None` for a policy
+    without a step size."""
+    from .._errors import OverloadError
+    from .._stability import _flow_names, step_size_ratio
+
+    if policy not in _flow_names():
+        return None
+    try:
+        return step_size_ratio(scn, policy, step_size)
+    except OverloadError as e:
+        if not allow_overload:
+            raise
+        return {"step_size": step_size, "critical_step_size": None, "ratio": None,
+                "method": None, "reason": f"no equilibrium: {e}"}  # fmt: skip
+    except RuntimeError as e:
+        return {"step_size": step_size, "critical_step_size": None, "ratio": None,
+                "method": None, "reason": str(e)}  # fmt: skip
 
 
 def _latency_text(summary: dict) -> str:
@@ -132,6 +165,7 @@ def run(args) -> int:
     scn = load_scenario_arg(args.scenario, allow_overload=args.allow_overload, command="simulate")
     out = check_out_dir(args.out)
     from .._policies import FlowRouting, policy_from_name
+    from .._registry import flow_policy_names
     from .._simulate import simulate
 
     note = step_size_warning(args.step_size, args.tick)
@@ -140,6 +174,17 @@ def run(args) -> int:
     n_save = min(args.n_save, max(1, int(round(args.horizon / args.tick))))
     ticks = args.horizon / args.tick
     show = not args.no_progress and (sys.stderr.isatty() or ticks > 20000)
+    check = None
+    if not args.no_step_check and args.policy in flow_policy_names():
+        doing("simulate", f"comparing --step-size with {args.policy}'s critical step size")
+        check = step_check(scn, args.policy, args.step_size, args.allow_overload)
+        if check is not None and check["ratio"] is not None and check["ratio"] > STEP_RATIO_WARN:
+            warn(
+                "simulate",
+                f"--step-size = {args.step_size:g} is {check['ratio']:.3g} times the critical "
+                f"step size eta* = {check['critical_step_size']:.3g} of the linearised model "
+                "(dlbfluid stability): expect oscillation, not convergence",
+            )
     doing("simulate", f"simulating {args.policy} for {int(round(ticks))} ticks of {args.tick:g} s")
     t0 = time.perf_counter()
     sol = simulate(
@@ -157,6 +202,7 @@ def run(args) -> int:
     summary = sol.summary(args.window)
     summary["scenario"] = scn.name
     summary["step_size"] = args.step_size
+    summary["step_size_check"] = check
     summary["wall_s"] = wall
     if out is not None:
         np.savez(out / "trajectory.npz", **sol.to_numpy())

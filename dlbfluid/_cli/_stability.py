@@ -9,7 +9,13 @@ from ._common import emit_json, integer, load_scenario_arg, positive_float
 
 
 def register(sub) -> None:
-    from .._stability import DEFAULT_NODES, METHODS, _flow_names
+    from .._defaults import FLOW_POLICIES
+    from .._defaults import STABILITY_METHODS as METHODS
+    from .._defaults import STABILITY_NODES as DEFAULT_NODES
+    from .._registry import flow_policy_names
+
+    # names only (no JAX): the built-in flow policies, then any other registered ones
+    flows = list(FLOW_POLICIES) + [p for p in flow_policy_names() if p not in FLOW_POLICIES]
 
     p = sub.add_parser(
         "stability",
@@ -23,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("scenario", metavar="SCENARIO", help="scenario JSON file, or 'default'")
     p.add_argument(
         "--policy",
-        choices=_flow_names(),
+        choices=flows,
         default="flow-grad",
         help="flow-routing policy (default flow-grad)",
     )
@@ -32,8 +38,10 @@ def register(sub) -> None:
         choices=METHODS,
         default="auto",
         help="symmetric: closed form for one origin and two identical cells; "
-        "pseudospectral: Chebyshev collocation of the delay equation (any network); "
-        "auto: the closed form when it applies (default)",
+        "pseudospectral: Chebyshev collocation of the delay equation (small networks); "
+        "nyquist: the argument principle on the n x n cell characteristic matrix (large "
+        "networks); auto: the closed form when it applies, else pseudospectral up to a "
+        "600-row generator, else nyquist (default)",
     )
     p.add_argument(
         "--nodes",

@@ -315,9 +315,17 @@ def price_of_anarchy(scenario: Scenario, **kwargs) -> dict:
     **Arguments:** `scenario` (unbatched or batched) and the keyword options of
     `solve_equilibrium`.
 
-    **Returns:** `{"latency": ratio, "rif": ratio, "equilibria": {cost: EquilibriumSolution}}`
-    (a ratio is NaN where the social optimum's cost is 0).
+    RIF's routing is not unique (its workloads are), so `"rif"` is the ratio of the
+    routing the solver returns; `"rif_price_of_anarchy_range"` is the range over every RIF
+    equilibrium (`rif_latency_range`, theory/equilibria.md §5.1).
+
+    **Returns:** `{"latency": ratio, "rif": ratio, "rif_mean_latency_range": (..., 2) least
+    and greatest mean latency over the RIF equilibria, "rif_price_of_anarchy_range":
+    (..., 2), "rif_range": RIFLatencyRange, "equilibria": {cost: EquilibriumSolution}}` (a
+    ratio is NaN where the social optimum's cost is 0, a latency where there is no demand).
     """
+    from .rif_range import rif_latency_range  # (rif_range imports this module)
+
     sols = {c: solve_equilibrium(scenario, c, **kwargs) for c in ("gradient", "latency", "rif")}
     opt = jnp.asarray(sols["gradient"].social_cost)
     defined = opt > 0
@@ -326,8 +334,18 @@ def price_of_anarchy(scenario: Scenario, **kwargs) -> dict:
     def ratio(c):
         return jnp.where(defined, jnp.asarray(sols[c].social_cost) / safe, jnp.nan)
 
+    rng = rif_latency_range(scenario, equilibrium=sols["rif"], time=kwargs.get("time", 0.0))
     return {
         "latency": ratio("latency"),
         "rif": ratio("rif"),
+        "rif_mean_latency_range": jnp.stack([rng.mean_latency_low, rng.mean_latency_high], -1),
+        "rif_price_of_anarchy_range": jnp.stack(
+            [
+                jnp.where(defined, rng.social_cost_low / safe, jnp.nan),
+                jnp.where(defined, rng.social_cost_high / safe, jnp.nan),
+            ],
+            -1,
+        ),
+        "rif_range": rng,
         "equilibria": sols,
     }
