@@ -83,6 +83,7 @@ SIMULATE = ["simulate", "default", "--policy", "rand", "--horizon", "2", "--tick
             "--n-save", "10", "--json", "--no-progress", "--out", "{out}/sim"]
 VERIFY = ["verify", "--scenarios", "4", "--chunk", "2", "--seed", "3", "--min-cells", "2",
           "--max-cells", "2", "--horizon", "2", "--tick", "0.1", "--json", "--no-progress",
+          "--policy", "flow-grad",  # (one flow policy: the merge is the same for each)
           "--out", "{out}/ver"]
 EXPERIMENT = ["experiment", "burst", "--scenarios", "2", "--trials", "1", "--horizon", "6",
               "--tick", "0.1", "--policies", "rand", "--no-error-aversion", "--json",

@@ -60,7 +60,7 @@ def test_custom_service_model(registry):
         assert float(dl.solve_equilibrium(scn, cost).kkt_residual) <= 1e-10
     assert out["simulate"].status_names() == "success"
     assert math.isfinite(out["critical_step_size"]) and out["critical_step_size"] > 0
-    assert out["verify"]["policies"]["flow-grad"]["failed"] == 0
+    assert out["verify"] is None  # (small: verify with a user's extension runs in test_custom_cost)
 
 
 def test_custom_cost(registry):

@@ -410,7 +410,7 @@ def test_nyquist_matches_pseudospectral(three_rif):
     )
 
 
-@pytest.mark.parametrize("seed, n, max_latency", [(1, 4, 0.15), (2, 3, 0.15), (3, 4, 1.5)])
+@pytest.mark.parametrize("seed, n, max_latency", [(1, 4, 0.15), (3, 4, 1.5)])
 def test_nyquist_random_networks(seed, n, max_latency):
     """Seeded random networks (theory/lyapunov.md, *Generator*; delays x10 in the last one,
     where the loci wind several times): both general methods agree to 1e-9."""
