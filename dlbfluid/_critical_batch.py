@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ._results import RESULTS, view
+from ._results import RESULTS, status_names, view
 
 # The ladder of step sizes relative to the symmetric-scaling guess, ratio 8 from 1/16 to
 # 2048 (eta*/guess was 0.6 to 600 on random networks), bisections inside the first
@@ -86,7 +86,7 @@ class BatchStability(eqx.Module):
     routing_sources: Int[Array, " B"]
 
     def status_names(self) -> np.ndarray:
-        return np.vectorize(RESULTS.name, otypes=[object])(np.asarray(self.status))
+        return status_names(self.status)
 
 
 def loop_gain(
