@@ -108,10 +108,14 @@ class EquilibriumSolver(eqx.Module):
                 lambda st: stage.active(st, tol), lambda st: stage.step(pb, st, tol, max_iters), st
             )
 
-        st = self.init(pb)
-        for _ in range(2):
+        def round_(_, st):
             for stage in self.stages:
                 st = run(stage, st)
+            return st
+
+        # Two rounds, the second a no-op unless the early polish failed; one traced round
+        # serves both (a `fori_loop`, as in `solve_local`), which halves the compile time.
+        st = jax.lax.fori_loop(0, 2, round_, self.init(pb))
         return self.postprocess(pb, st, tol)
 
     def solve_local(self, scn, lam, tol, max_iters, cost) -> dict:
