@@ -23,6 +23,7 @@ arcs and no arrivals.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from . import _exported as exported
 from ._results import RESULTS, view
 
 MNLB_STATUS = view("success", "not_converged", "nonfinite")
@@ -364,10 +366,14 @@ def _solve_one(lam, tau, allowed, mu_bar, cell_mask, cap, *, max_iters, tol):
     return xw, info
 
 
-@functools.partial(jax.jit, static_argnames=("max_iters", "tol"))
-def _solve_batch(lam, tau, allowed, mu_bar, cell_mask, cap, *, max_iters, tol):
+def _solve_batch_impl(lam, tau, allowed, mu_bar, cell_mask, cap, *, max_iters, tol):
     f = functools.partial(_solve_one, max_iters=max_iters, tol=tol)
-    return jax.vmap(f)(lam, tau, allowed, mu_bar, cell_mask, cap)
+    x, info = jax.vmap(f)(lam, tau, allowed, mu_bar, cell_mask, cap)
+    # (the diagnostics as a dict: an output tree that `jax.export` can serialise)
+    return x, {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+
+
+_solve_batch = jax.jit(_solve_batch_impl, static_argnames=("max_iters", "tol"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -485,16 +491,23 @@ def mnlb_weights(
     def flat(a, core, dtype):
         return jnp.broadcast_to(a, batch + core).reshape((B,) + core).astype(dtype)
 
-    x, info = _solve_batch(
+    args = (
         flat(lam, (n,), dt),
         flat(tau, (n, n), dt),
         flat(allowed, (n, n), bool),
         flat(mu, (n,), dt),
         flat(cell_mask, (n,), bool),
         flat(cap, (), dt),
-        max_iters=max_iters,
-        tol=float(tol),
     )
+    static = dict(max_iters=max_iters, tol=float(tol))
+    x, info = exported.call(
+        "mnlb",
+        functools.partial(_solve_batch, **static),
+        args,
+        static,
+        trace=functools.partial(_solve_batch_impl, **static),
+    )
+    info = MNLBInfo(**info)
     return jax.tree_util.tree_map(lambda a: a.reshape(batch + a.shape[1:]), (x, info))
 
 

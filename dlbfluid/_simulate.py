@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from . import _exported as exported
 from ._aversion import ErrorAversion
-from ._devices import per_device, shard_batch, solver_jit
+from ._devices import compiler_options, per_device, shard_batch, solver_jit
 from ._integrators import AbstractIntegrator, Accurate, Fast
 from ._integrators.base import arc_integrals
 from ._policies import AbstractPolicy, ErrorAverse, Observation, TickSetup, policy_from_name
@@ -534,13 +535,7 @@ def simulate(
     # (the progress callback runs once per segment on every device)
     prog = Progress("simulating", n_save * jax.local_device_count()) if progress else None
     scn_a, eta_a, h_a, _, st_a = args
-    rec, status, change = _simulate_batch(
-        scn_a,
-        eta_a,
-        h_a,
-        st_a,
-        policy=looped,
-        integrator=integrator,
+    static = dict(
         hist=hist,
         uniform=bool(np.all(save_ticks == save_ticks[:1])),
         progress=prog,
@@ -548,6 +543,30 @@ def simulate(
         horizon=T if looped.uses_horizon else None,
         window=window,
     )
+    # The policy's and integrator's arrays are arguments, the rest of them static (as
+    # `filter_jit` splits them), so that the command line can keep the traced program
+    # (`_exported`; not with a progress callback, which cannot be exported).
+    dyn, fixed = eqx.partition((looped, integrator), eqx.is_array)
+
+    def run(jit):
+        def f(scn, eta, h, st, dyn):
+            pol, integ = eqx.combine(dyn, fixed)
+            return jit(scn, eta, h, st, policy=pol, integrator=integ, **static)
+
+        return f
+
+    run_args = (scn_a, eta_a, h_a, st_a, dyn)
+    if prog is None:
+        rec, status, change = exported.call(
+            "simulate",
+            run(_simulate_batch),
+            run_args,
+            (fixed, static),
+            trace=run(_simulate_batch_sharded),
+            compiler_options=compiler_options(),
+        )
+    else:
+        rec, status, change = run(_simulate_batch)(*run_args)
     if pad:
         rec, status, change = jax.tree_util.tree_map(lambda a: a[:Bb], (rec, status, change))
     status = _mass_balance_status(rec, status, jnp.asarray(scn.cell_mask[:Bb]), int(K.max()))

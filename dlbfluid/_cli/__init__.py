@@ -58,14 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from .. import enable_x64
     from .._cache import enable_compilation_cache
+    from .._exported import exporting
 
     enable_x64()
-    enable_compilation_cache()
+    cache = enable_compilation_cache()
     procs = None
     try:
         if hasattr(args, "process_id"):  # a command that runs across processes
             procs = args.processes = start_processes(args)
-        code = int(args.func(args) or 0)
+        with exporting(cache):  # traced solvers kept beside the compiled ones (`_exported`)
+            code = int(args.func(args) or 0)
     except ScenarioError as e:
         print(f"dlbfluid {args.command}: error: {e}", file=sys.stderr)
         code = 2

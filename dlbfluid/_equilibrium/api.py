@@ -19,6 +19,7 @@ into a routing, workloads and a KKT certificate (theory/equilibria.md §2).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import equinox as eqx
@@ -27,12 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from .. import _exported as exported
 from .._costs import AbstractCost, cost_from_name
-from .._devices import shard_batch
+from .._devices import compiler_options, shard_batch
 from .._errors import OverloadError
 from .._results import RESULTS, raise_for_status, status_names, view
 from .._scenario import Scenario, check_capacity, pad_scenario
-from .solver import EquilibriumSolver, _solve_batch
+from .solver import EquilibriumSolver, _solve_batch, _solve_batch_impl
 
 EQ_STATUS = view("success", "not_converged", "nonfinite")
 """The `RESULTS` codes an equilibrium solve can end with."""
@@ -270,13 +272,13 @@ def solve_equilibrium(
     scn = _prepare(scn, jnp.asarray(time, jnp.float64), Bb)
     scn = shard_batch(scn)
     lam = scn.arrival_rates[..., 0]
-    out = _solve_batch(
-        scn,
-        lam,
-        jnp.asarray(tol, jnp.float64),
-        jnp.asarray(max_iters, jnp.int32),
-        cost=cost,
-        solver=solver,
+    out = exported.call(
+        "equilibrium",
+        functools.partial(_solve_batch, cost=cost, solver=solver),
+        (scn, lam, jnp.asarray(tol, jnp.float64), jnp.asarray(max_iters, jnp.int32)),
+        (cost, solver),
+        trace=functools.partial(_solve_batch_impl, cost=cost, solver=solver),
+        compiler_options=compiler_options(),
     )
     out, mask = _take((out, scn.cell_mask), B)
     sol = EquilibriumSolution(

@@ -1,0 +1,139 @@
+"""The command line's caches (README, *Compilation cache*): where the persistent compilation
+cache lives (`_cache`), and the traced solvers kept beside it (`_exported`), which must give
+the plain call's numbers bit for bit, never trace again for the same shapes, and fall back
+to tracing whenever an artefact cannot be used."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from helpers import THREE, two_mm1
+
+import dlbfluid as dl
+from dlbfluid import _cache, _exported
+from dlbfluid import _equilibrium as eqm
+from dlbfluid._cli import main
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({"DLBFLUID_CACHE_DIR": "/x/y", "JAX_COMPILATION_CACHE_DIR": "/z"}, "/x/y"),
+        ({"DLBFLUID_CACHE_DIR": "off"}, None),
+        ({"DLBFLUID_CACHE_DIR": " 0 "}, None),
+        ({"DLBFLUID_CACHE_DIR": ""}, None),
+        ({"JAX_COMPILATION_CACHE_DIR": "/z"}, "/z"),
+        ({"XDG_CACHE_HOME": "/c"}, "/c/dlbfluid/jax"),
+    ],
+)
+def test_cache_dir_precedence(env, want):
+    got = _cache.cache_dir(env)
+    assert (None if got is None else str(got)) == want
+
+
+def test_uncreatable_cache_dir_leaves_the_cache_off(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    lines = []
+
+    class Stream:
+        def write(self, s):
+            lines.append(s)
+
+    got = _cache.enable_compilation_cache({"DLBFLUID_CACHE_DIR": str(blocker / "sub")}, Stream())
+    assert got is None
+    text = "".join(lines)
+    assert "compilation cache off" in text and "DLBFLUID_CACHE_DIR" in text and str(blocker) in text
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No artefact loaded in this process yet (as in a new command-line call)."""
+    monkeypatch.setattr(_exported, "_LOADED", {})
+
+
+def test_kept_equilibrium_solver_is_not_traced_again(tmp_path, fresh):
+    scn = dl.scenario_from_dict(THREE)
+    plain = dl.solve_equilibrium(scn, "latency")
+    before = eqm._TRACES["latency"]
+    with _exported.exporting(tmp_path):
+        first = dl.solve_equilibrium(scn, "latency")
+    files = sorted((tmp_path / "exported").glob("equilibrium-*.jaxexport"))
+    assert len(files) == 1 and eqm._TRACES["latency"] == before + 1  # traced to export
+    _exported._LOADED.clear()  # a new process: the program comes from the file
+    with _exported.exporting(tmp_path):
+        again = dl.solve_equilibrium(scn, "latency")
+    assert eqm._TRACES["latency"] == before + 1
+    for a in (first, again):
+        np.testing.assert_array_equal(np.asarray(a.N), np.asarray(plain.N))
+        np.testing.assert_array_equal(np.asarray(a.x), np.asarray(plain.x))
+        assert int(a.iterations) == int(plain.iterations)
+    # Outside `exporting` nothing is read or written.
+    dl.solve_equilibrium(dl.scenario_from_dict(two_mm1()), "latency")
+    assert sorted((tmp_path / "exported").glob("*.jaxexport")) == files
+    # A torn file (a full disk, a foreign writer) is traced again and replaced.
+    size = files[0].stat().st_size
+    files[0].write_bytes(files[0].read_bytes()[: size // 3])
+    _exported._LOADED.clear()
+    before = eqm._TRACES["latency"]
+    with _exported.exporting(tmp_path):
+        torn = dl.solve_equilibrium(scn, "latency")
+    assert eqm._TRACES["latency"] == before + 1
+    assert files[0].stat().st_size == size
+    np.testing.assert_array_equal(np.asarray(torn.N), np.asarray(plain.N))
+
+
+def test_kept_simulation_equals_the_plain_one(tmp_path, fresh):
+    scn = dl.scenario_from_dict(THREE)
+    kw = dict(step_size=0.2, tick=0.1, horizon=3.0, n_save=6)
+    plain = dl.simulate(scn, "flow-lat", **kw)
+    with _exported.exporting(tmp_path):
+        kept = dl.simulate(scn, "flow-lat", **kw)
+        # a progress callback cannot be exported: that call is traced as usual
+        shown = dl.simulate(scn, "flow-lat", progress=True, **kw)
+    assert len(list((tmp_path / "exported").glob("simulate-*.jaxexport"))) == 1
+    for s in (kept, shown):
+        assert s.status_names() == "success"
+        for f in ("N", "x", "arrivals", "in_flight"):
+            np.testing.assert_array_equal(np.asarray(getattr(s, f)), np.asarray(getattr(plain, f)))
+
+
+def test_unstable_static_configuration_is_not_kept(tmp_path, fresh):
+    def f(a):
+        return a + 1
+
+    with _exported.exporting(tmp_path):
+        out = _exported.call("probe", jax.jit(f), (jax.numpy.ones(3),), (f,))
+        np.testing.assert_array_equal(np.asarray(out), 2.0)
+        out = _exported.call("probe", jax.jit(f), (jax.numpy.ones(3),), ("stable",))
+    assert [p.name.split("-")[0] for p in (tmp_path / "exported").iterdir()] == ["probe"]
+    np.testing.assert_array_equal(np.asarray(out), 2.0)
+
+
+def test_command_line_keeps_its_solvers_unless_the_cache_is_off(tmp_path, monkeypatch, capsys):
+    d = tmp_path / "scn.json"
+    d.write_text(json.dumps(THREE))
+    argv = ["equilibrium", str(d), "--cost", "latency", "--json"]
+    monkeypatch.setenv("DLBFLUID_CACHE_DIR", "off")
+    assert main(argv) == 0
+    off = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("DLBFLUID_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_exported, "_LOADED", {})
+    try:
+        assert main(argv) == 0
+    finally:  # the CLI pointed this process's JAX cache at tmp_path: point it back
+        jax.config.update("jax_compilation_cache_dir", _conftest_cache())
+    on = json.loads(capsys.readouterr().out)
+    assert [p.name.split("-")[0] for p in (tmp_path / "cache" / "exported").iterdir()] == [
+        "equilibrium"
+    ]
+    assert _exported._DIR[0] is None  # only for the length of the call
+    on.pop("wall_s", None), off.pop("wall_s", None)
+    assert on == off
+
+
+def _conftest_cache() -> str:
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+
