@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._defaults import VERIFY_GENERATORS, VERIFY_LADDERS, VERIFY_STEP_RULES
 from ._distributed import Processes
 from ._manifest import open_manifest, resume_note
 from ._progress import Progress
@@ -120,9 +121,7 @@ def draw_scenario(seed: int, index: int, *, n_cells=(2, 6), **kwargs) -> dict:
     return d
 
 
-GENERATORS = ("random", "appb")
-STEP_RULES = ("oracle", "paper")
-LADDERS = ("none", "full")
+GENERATORS, STEP_RULES, LADDERS = VERIFY_GENERATORS, VERIFY_STEP_RULES, VERIFY_LADDERS
 
 
 def draw_appb(seed: int, index: int, *, n_cells=(2, 6)) -> dict:

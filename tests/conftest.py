@@ -27,3 +27,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # off in the tests' in-process CLI calls, which use the run's cache above and trace as the
 # API does; tests/test_cache.py turns them on where it checks them.
 os.environ.setdefault("DLBFLUID_CACHE_DIR", "off")
+
+# The longest files first (`pytest --durations`: the notebooks, the examples and the
+# distributed run take 30-60 s each), so that no xdist worker is left with one of them at
+# the end while the other idles. Whole files move, and the sort is stable, so a module's
+# fixtures are still set up once per worker.
+_FIRST = ("test_notebooks.py", "test_examples.py", "test_distributed.py", "test_verify.py",
+          "test_theorem1.py", "test_equilibrium.py", "test_cache.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))

@@ -73,16 +73,6 @@ def test_kept_equilibrium_solver_is_not_traced_again(tmp_path, fresh):
     # Outside `exporting` nothing is read or written.
     dl.solve_equilibrium(dl.scenario_from_dict(two_mm1()), "latency")
     assert sorted((tmp_path / "exported").glob("*.jaxexport")) == files
-    # A torn file (a full disk, a foreign writer) is traced again and replaced.
-    size = files[0].stat().st_size
-    files[0].write_bytes(files[0].read_bytes()[: size // 3])
-    _exported._LOADED.clear()
-    before = eqm._TRACES["latency"]
-    with _exported.exporting(tmp_path):
-        torn = dl.solve_equilibrium(scn, "latency")
-    assert eqm._TRACES["latency"] == before + 1
-    assert files[0].stat().st_size == size
-    np.testing.assert_array_equal(np.asarray(torn.N), np.asarray(plain.N))
 
 
 def test_kept_simulation_equals_the_plain_one(tmp_path, fresh):
@@ -100,16 +90,36 @@ def test_kept_simulation_equals_the_plain_one(tmp_path, fresh):
             np.testing.assert_array_equal(np.asarray(getattr(s, f)), np.asarray(getattr(plain, f)))
 
 
-def test_unstable_static_configuration_is_not_kept(tmp_path, fresh):
+def test_unstable_static_configuration_is_not_kept_and_a_torn_file_is_replaced(tmp_path, fresh):
     def f(a):
         return a + 1
 
+    traced = []
+
+    def g(a):
+        traced.append(1)
+        return a + 1
+
+    x = jax.numpy.ones(3)
     with _exported.exporting(tmp_path):
-        out = _exported.call("probe", jax.jit(f), (jax.numpy.ones(3),), (f,))
-        np.testing.assert_array_equal(np.asarray(out), 2.0)
-        out = _exported.call("probe", jax.jit(f), (jax.numpy.ones(3),), ("stable",))
-    assert [p.name.split("-")[0] for p in (tmp_path / "exported").iterdir()] == ["probe"]
+        np.testing.assert_array_equal(np.asarray(_exported.call("probe", jax.jit(f), (x,), (f,))), 2.0)
+        assert not (tmp_path / "exported").exists()  # a repr with an address: not kept
+        out = _exported.call("probe", jax.jit(f), (x,), ("stable",), trace=g)
+    (path,) = (tmp_path / "exported").iterdir()
+    assert path.name.startswith("probe-") and traced == [1]
     np.testing.assert_array_equal(np.asarray(out), 2.0)
+    # A torn file (a full disk, a foreign writer) is traced again and replaced.
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[: size // 3])
+    _exported._LOADED.clear()
+    with _exported.exporting(tmp_path):
+        out = _exported.call("probe", jax.jit(f), (x,), ("stable",), trace=g)
+    assert traced == [1, 1] and path.stat().st_size == size
+    np.testing.assert_array_equal(np.asarray(out), 2.0)
+    _exported._LOADED.clear()
+    with _exported.exporting(tmp_path):  # and loaded, not traced, from then on
+        _exported.call("probe", jax.jit(f), (x,), ("stable",), trace=g)
+    assert traced == [1, 1]
 
 
 def test_command_line_keeps_its_solvers_unless_the_cache_is_off(tmp_path, monkeypatch, capsys):

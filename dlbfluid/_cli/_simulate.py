@@ -119,17 +119,15 @@ STEP_RATIO_WARN = 1.0
 """`simulate` warns when a flow policy's step size exceeds this multiple of $\\eta^*$."""
 
 
-def step_check(scn, policy: str, step_size: float, allow_overload: bool) -> dict | None:
+def step_check(scn, policy: str, step_size: float, allow_overload: bool) -> dict:
     """The plausibility check of a flow policy's step size (`step_size_ratio`,
     theory/stability.md §3.8): `{"step_size", "critical_step_size", "ratio", "method"}`, or
     `{"ratio": None, "reason": ...}` when there is no equilibrium to linearise around
-    (overload under `--allow-overload`) or the test is refused; `None` for a policy
-    without a step size."""
+    (overload under `--allow-overload`) or the test is refused. Only for a flow policy
+    (`flow_policy_names`, the policies with a step size)."""
     from .._errors import OverloadError
-    from .._stability import _flow_names, step_size_ratio
+    from .._stability import step_size_ratio
 
-    if policy not in _flow_names():
-        return None
     try:
         return step_size_ratio(scn, policy, step_size)
     except OverloadError as e:
@@ -164,21 +162,21 @@ def run(args) -> int:
     check_whole_ticks(args.horizon, args.tick)
     scn = load_scenario_arg(args.scenario, allow_overload=args.allow_overload, command="simulate")
     out = check_out_dir(args.out)
-    from .._policies import FlowRouting, policy_from_name
     from .._registry import flow_policy_names
     from .._simulate import simulate
 
+    flow = args.policy in flow_policy_names()  # (the policies with a step size)
     note = step_size_warning(args.step_size, args.tick)
-    if note and isinstance(policy_from_name(args.policy), FlowRouting):
+    if note and flow:
         warn("simulate", note)
     n_save = min(args.n_save, max(1, int(round(args.horizon / args.tick))))
     ticks = args.horizon / args.tick
     show = not args.no_progress and (sys.stderr.isatty() or ticks > 20000)
     check = None
-    if not args.no_step_check and args.policy in flow_policy_names():
+    if not args.no_step_check and flow:
         doing("simulate", f"comparing --step-size with {args.policy}'s critical step size")
         check = step_check(scn, args.policy, args.step_size, args.allow_overload)
-        if check is not None and check["ratio"] is not None and check["ratio"] > STEP_RATIO_WARN:
+        if check["ratio"] is not None and check["ratio"] > STEP_RATIO_WARN:
             warn(
                 "simulate",
                 f"--step-size = {args.step_size:g} is {check['ratio']:.3g} times the critical "

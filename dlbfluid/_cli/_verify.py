@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .._defaults import PROBE_TICK
+from .._defaults import PROBE_TICK, VERIFY_GENERATORS, VERIFY_LADDERS, VERIFY_STEP_RULES
 from ._common import (
     add_process_options,
     check_min_max,
@@ -48,7 +48,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--generator",
-        choices=("random", "appb"),
+        choices=VERIFY_GENERATORS,
         default="random",
         help="scenario source: random = the 2-6-cell networks of theory/lyapunov.md, appb = "
         "the paper's App.-B generator (constant demand, unbounded queues) (default random)",
@@ -65,14 +65,14 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--step-rule",
-        choices=("oracle", "paper"),
+        choices=VERIFY_STEP_RULES,
         default="oracle",
         help="flow step sizes: oracle = --step-fraction x each scenario's critical eta*; "
         "paper = kappa / (mean one-way delay seen by the router), seed App. B (default oracle)",
     )
     p.add_argument(
         "--ladder",
-        choices=("none", "full"),
+        choices=VERIFY_LADDERS,
         default="none",
         help="none = one run per scenario and policy with its drift certificate; full = also "
         "the Theorem-1 ladder (about 30 more runs each: the bound's constants, the T^-1/2 "
