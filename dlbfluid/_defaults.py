@@ -21,9 +21,9 @@ FLOW_POLICIES = ("flow-grad", "flow-lat", "flow-rif")
 """The built-in flow policies (`dlbfluid._registry.flow_policy_names` lists all)."""
 VERIFY_GENERATORS = ("random", "appb")
 """Scenario streams of `verify` (`draw_random`, `draw_appb`)."""
-VERIFY_STEP_RULES = ("oracle", "paper")
-"""Step-size rules of `verify`: 0.3 of each scenario's $\\eta^*$, or the paper's
-$\\kappa_c/\\bar\\tau_i$ (theory/evaluation.md)."""
+STEP_RULES = ("paper", "oracle")
+"""How flow routers set their step sizes, in `experiment` and `verify`: the paper's
+$\\kappa_c/\\bar\\tau_i$ (theory/evaluation.md), or a fraction of each scenario's $\\eta^*$."""
 VERIFY_LADDERS = ("none", "full")
 """Theorem-1 ladders of `verify`: the certificate alone, or the fitted bound too
 (`dlbfluid._theorem1`)."""

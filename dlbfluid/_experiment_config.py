@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ._defaults import PROBE_TICK
+from ._defaults import PROBE_TICK, STEP_RULES
 from ._registry import BUILTIN_POLICIES
 from ._registry import POLICIES as _REGISTRY
 
@@ -42,8 +42,6 @@ KINDS = (
 )
 """Experiment kinds (`dlbfluid experiment KIND`)."""
 
-STEP_RULES = ("paper", "oracle")
-"""How flow routers set their step sizes (`ExperimentConfig.step_rule`)."""
 
 STEP_RULE_KAPPA = {"rif": 10**-4.25, "latency": 10**-1.75, "gradient": 10**-2.5}
 """$\\kappa$ of the paper's step-size rule per cost family, calibrated once on scenarios

@@ -6,7 +6,7 @@ nested, vmapped convergence loops the tracing takes longer than loading the comp
 code: about 2 s of the 2.5 s a warm `dlbfluid equilibrium` spends per cost. Inside a
 command-line call (`exporting`), the big solvers are therefore traced once and kept as
 `jax.export` artefacts next to the compilation cache; a later call with the same shapes,
-static configuration and versions deserialises the program, and its compilation is then
+static configuration, versions and package source deserialises the program, and its compilation is then
 a persistent-cache hit.
 
 Only the command line turns this on, for the length of one call: the Python API traces as
@@ -20,6 +20,7 @@ falls back to the plain call: the artefacts are a cache, never needed for a resu
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -47,6 +48,19 @@ def exporting(directory: Path | None):
         _DIR[0] = saved
 
 
+@functools.cache
+def _source_digest() -> str:
+    """A digest of the package's Python source: the version string alone does not change
+    between the commits of a git checkout or the edits of an editable install, and a
+    program traced from other code must not be reused."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def _key(name: str, static, leaves, treedef) -> str | None:
     from . import __version__
 
@@ -60,6 +74,7 @@ def _key(name: str, static, leaves, treedef) -> str | None:
         str(treedef),
         tuple((tuple(a.shape), str(a.dtype)) for a in leaves),
         __version__,
+        _source_digest(),
         jax.__version__,
         jaxlib.__version__,
         bool(jax.config.read("jax_enable_x64")),
@@ -89,12 +104,13 @@ def call(name: str, fn, args: tuple, static, *, trace=None, compiler_options=Non
         return fn(*args)
     run = _LOADED.get(key)
     if run is None:
-        exp = _load(directory / f"{name}-{key}.jaxexport")
+        path = directory / f"{name}-{key}.jaxexport"
+        exp = _load(path)
         if exp is None:
             exp = _export(fn if trace is None else trace, treedef, leaves)
             if exp is None:
                 return fn(*args)
-            _save(directory / f"{name}-{key}.jaxexport", exp)
+            _save(path, exp)
         run = _LOADED[key] = jax.jit(exp.call, compiler_options=compiler_options or {})
     return run(*leaves)
 

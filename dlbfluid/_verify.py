@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._defaults import VERIFY_GENERATORS, VERIFY_LADDERS, VERIFY_STEP_RULES
+from ._defaults import STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
 from ._distributed import Processes
 from ._manifest import open_manifest, resume_note
 from ._progress import Progress
@@ -119,9 +119,6 @@ def draw_scenario(seed: int, index: int, *, n_cells=(2, 6), **kwargs) -> dict:
     d = random_network(rng, n, **kwargs)
     d["index"] = index
     return d
-
-
-GENERATORS, STEP_RULES, LADDERS = VERIFY_GENERATORS, VERIFY_STEP_RULES, VERIFY_LADDERS
 
 
 def draw_appb(seed: int, index: int, *, n_cells=(2, 6)) -> dict:
@@ -312,9 +309,9 @@ def verify(
     """
     procs = Processes() if processes is None else processes
     for key, choice, choices in (
-        ("generator", generator, GENERATORS),
+        ("generator", generator, VERIFY_GENERATORS),
         ("step_rule", step_rule, STEP_RULES),
-        ("ladder", ladder, LADDERS),
+        ("ladder", ladder, VERIFY_LADDERS),
     ):
         if choice not in choices:
             raise ValueError(f"{key} = {choice!r} is invalid: allowed values are {list(choices)}")

@@ -90,7 +90,9 @@ def test_kept_simulation_equals_the_plain_one(tmp_path, fresh):
             np.testing.assert_array_equal(np.asarray(getattr(s, f)), np.asarray(getattr(plain, f)))
 
 
-def test_unstable_static_configuration_is_not_kept_and_a_torn_file_is_replaced(tmp_path, fresh):
+def test_unstable_static_configuration_is_not_kept_and_a_torn_file_is_replaced(
+    tmp_path, fresh, monkeypatch
+):
     def f(a):
         return a + 1
 
@@ -120,6 +122,13 @@ def test_unstable_static_configuration_is_not_kept_and_a_torn_file_is_replaced(t
     with _exported.exporting(tmp_path):  # and loaded, not traced, from then on
         _exported.call("probe", jax.jit(f), (x,), ("stable",), trace=g)
     assert traced == [1, 1]
+    # Other package source under the same version (a git checkout, an editable install):
+    # traced again, into a file of its own.
+    monkeypatch.setattr(_exported, "_source_digest", lambda: "edited")
+    _exported._LOADED.clear()
+    with _exported.exporting(tmp_path):
+        _exported.call("probe", jax.jit(f), (x,), ("stable",), trace=g)
+    assert traced == [1, 1, 1] and len(list((tmp_path / "exported").iterdir())) == 2
 
 
 def test_command_line_keeps_its_solvers_unless_the_cache_is_off(tmp_path, monkeypatch, capsys):

@@ -27,8 +27,8 @@ _FLAGS = {
 
 
 def register(sub) -> None:
-    from .._defaults import PROBE_TICK
-    from .._experiment_config import KINDS, POLICIES, STEP_RULES
+    from .._defaults import PROBE_TICK, STEP_RULES
+    from .._experiment_config import KINDS, POLICIES
     from .._registry import POLICIES as REGISTERED
 
     p = sub.add_parser(

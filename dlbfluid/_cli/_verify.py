@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .._defaults import PROBE_TICK, VERIFY_GENERATORS, VERIFY_LADDERS, VERIFY_STEP_RULES
+from .._defaults import PROBE_TICK, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
 from ._common import (
     add_process_options,
     check_min_max,
@@ -65,7 +65,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--step-rule",
-        choices=VERIFY_STEP_RULES,
+        choices=STEP_RULES,
         default="oracle",
         help="flow step sizes: oracle = --step-fraction x each scenario's critical eta*; "
         "paper = kappa / (mean one-way delay seen by the router), seed App. B (default oracle)",
