@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # XLA's CPU backend hands some fused dots and reductions to YNNPACK. On the solvers' tiny
@@ -17,34 +18,62 @@ import numpy as np
 # loops are faster: about 15% off the equilibrium benchmark
 # (`benchmarks/bench_equilibrium.py`). The option only concerns CPU compilation.
 _SOLVER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# In float64, XLA's earlier CPU fusion emitters (LLVM IR built directly, not through its
+# MLIR fusion pipeline) compile the simulator in 0.5-0.7 of the time and run it as fast, to
+# within the run-to-run spread (+-15%); N differs from the default emitters' in the last
+# bits only (<= 7e-14; `benchmarks/compile_options.py`, results/compile_options_cpu.json).
+# Most of the test suite's time is these compilations. In float32 the default emitters
+# stay: they vectorise float32 better (measured up to 1.6x faster ticks at 5 cells).
+_FLOAT64_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
 @functools.cache
-def compiler_options() -> dict:
-    """XLA compiler options for the batched solvers (`jax.jit(..., compiler_options=...)`).
-
-    Returns `{}` where this XLA build does not know an option (older or newer jaxlib), so
-    the options can only make a program faster, never stop it from compiling. Evaluated
-    on first use (not at import, which would start the backend).
-    """
+def _accepted(options: tuple) -> dict:
+    """`options` if this XLA build compiles a probe with them, else `{}` (an older or newer
+    jaxlib that does not know one), so that an option can only make a program faster,
+    never stop it from compiling."""
     try:
-        jax.jit(lambda x: x + 1, compiler_options=_SOLVER_OPTIONS).lower(1.0).compile()
+        jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(1.0).compile()
     except Exception:  # noqa: BLE001 - any rejection means: do without the options
         return {}
-    return dict(_SOLVER_OPTIONS)
+    return dict(options)
+
+
+def compiler_options(float32: bool = False) -> dict:
+    """XLA compiler options for the batched solvers (`jax.jit(..., compiler_options=...)`),
+    for a program whose floating-point arrays are float64 (default) or include float32.
+
+    Each group of options is kept only where this XLA build accepts it. Evaluated on first
+    use (not at import, which would start the backend).
+    """
+    opts = _accepted(tuple(_SOLVER_OPTIONS.items()))
+    if not float32:
+        opts = {**opts, **_accepted(tuple(_FLOAT64_OPTIONS.items()))}
+    return opts
+
+
+def uses_float32(tree) -> bool:
+    """Whether any array leaf of `tree` has a floating dtype narrower than float64 (the
+    choice between `compiler_options`' two sets)."""
+    return any(
+        jnp.issubdtype(d, jnp.floating) and jnp.finfo(d).bits < 64
+        for d in (getattr(leaf, "dtype", None) for leaf in jax.tree_util.tree_leaves(tree))
+        if d is not None
+    )
 
 
 def solver_jit(fn, *, jit=jax.jit, **jit_kwargs):
-    """`jit(fn, compiler_options=compiler_options(), **jit_kwargs)`, built on the first
-    call (so that importing the package does not start the backend)."""
+    """`jit(fn, compiler_options=compiler_options(float32), **jit_kwargs)`, with `float32`
+    decided per call from the arguments' dtypes (`uses_float32`); each variant is built on
+    its first call (so that importing the package does not start the backend)."""
 
     @functools.cache
-    def build():
-        return jit(fn, compiler_options=compiler_options(), **jit_kwargs)
+    def build(float32: bool):
+        return jit(fn, compiler_options=compiler_options(float32), **jit_kwargs)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        return build()(*args, **kwargs)
+        return build(uses_float32((args, kwargs)))(*args, **kwargs)
 
     return call
 

@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from . import _exported as exported
 from ._aversion import ErrorAversion
-from ._devices import compiler_options, per_device, shard_batch, solver_jit
+from ._devices import compiler_options, per_device, shard_batch, solver_jit, uses_float32
 from ._integrators import AbstractIntegrator, Accurate, Fast
 from ._integrators.base import arc_integrals
 from ._policies import AbstractPolicy, ErrorAverse, Observation, TickSetup, policy_from_name
@@ -563,7 +563,7 @@ def simulate(
             run_args,
             (fixed, static),
             trace=run(_simulate_batch_sharded),
-            compiler_options=compiler_options(),
+            compiler_options=compiler_options(uses_float32(run_args)),
         )
     else:
         rec, status, change = run(_simulate_batch)(*run_args)

@@ -156,3 +156,29 @@ def test_command_line_keeps_its_solvers_unless_the_cache_is_off(tmp_path, monkey
 def _conftest_cache() -> str:
     return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
+
+
+def test_solver_options_follow_the_arguments_dtype():
+    """float64 programs compile with `_FLOAT64_OPTIONS` (XLA's earlier CPU fusion emitters,
+    benchmarks/compile_options.py), float32 ones without them; `solver_jit` decides per
+    call from the arguments, so one function serves both dtypes with one program each."""
+    from dlbfluid import _devices
+
+    f32 = jax.numpy.ones(2, jax.numpy.float32)
+    assert _devices.uses_float32({"a": f32, "b": 1.0, "c": "text"})
+    assert _devices.uses_float32([jax.numpy.ones(2), jax.numpy.ones(1, jax.numpy.bfloat16)])
+    assert not _devices.uses_float32((jax.numpy.ones(2), np.arange(3), 1.0, None))
+    lo, hi = _devices.compiler_options(True), _devices.compiler_options(False)
+    assert not set(_devices._FLOAT64_OPTIONS) & set(lo)
+    assert set(hi) == set(lo) | set(_devices._FLOAT64_OPTIONS)  # (this jaxlib knows it)
+    built = []
+
+    def fake_jit(fn, compiler_options):
+        built.append(compiler_options)
+        return fn
+
+    call = _devices.solver_jit(lambda x: x * 2, jit=fake_jit)
+    assert float(call(jax.numpy.float32(1.5))) == 3.0
+    assert float(call(jax.numpy.float64(1.5))) == 3.0
+    call(jax.numpy.float64(2.0))
+    assert built == [lo, hi]

@@ -30,7 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .. import _exported as exported
 from .._costs import AbstractCost, cost_from_name
-from .._devices import compiler_options, shard_batch
+from .._devices import compiler_options, shard_batch, uses_float32
 from .._errors import OverloadError
 from .._results import RESULTS, raise_for_status, status_names, view
 from .._scenario import Scenario, check_capacity, pad_scenario
@@ -278,7 +278,7 @@ def solve_equilibrium(
         (scn, lam, jnp.asarray(tol, jnp.float64), jnp.asarray(max_iters, jnp.int32)),
         (cost, solver),
         trace=functools.partial(_solve_batch_impl, cost=cost, solver=solver),
-        compiler_options=compiler_options(),
+        compiler_options=compiler_options(uses_float32(scn)),
     )
     out, mask = _take((out, scn.cell_mask), B)
     sol = EquilibriumSolution(
