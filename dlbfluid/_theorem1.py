@@ -264,6 +264,18 @@ def delay_share(fit: dict, T, eta) -> np.ndarray:
     return np.where(b > 0, fit["B"] * np.asarray(eta, float) / np.where(b > 0, b, 1.0), 0.0)
 
 
+def schedule_constant(fit: dict, share: float, cap: float) -> float:
+    """$c$ of the schedule $\\eta = cT^{-1/2}$: along it the delay term's share of the bound
+    $B\\eta/(A/(T\\eta) + B\\eta)$ is $Bc^2/(A + Bc^2)$, constant, and equal to `share` for
+    $c^2 = \\frac{\\text{share}}{1 - \\text{share}}\\frac AB$; at most `cap`. `cap` when the fit
+    resolves only one of the two terms ($A = 0$ or $B = 0$): with $A = 0$ the formula would
+    give $c = 0$, a schedule that never moves."""
+    A, B = fit["A"], fit["B"]
+    if not (A > 0 and B > 0):
+        return float(cap)
+    return float(min(math.sqrt(share / (1 - share) * A / B), cap))
+
+
 def schedule_slope(T, distance) -> float | None:
     """Log-log slope of the time-average distance along $\\eta = cT^{-1/2}$ (theorem: $-1/2$);
     `None` with fewer than two positive finite points."""
@@ -326,7 +338,7 @@ class Ladder(eqx.Module):
       schedule $\\eta = cT^{-1/2}$; with the fitted $A$, $B$ it fixes
       $c^2 = \\frac{\\text{share}}{1 - \\text{share}}\\frac AB$ (capped so that the schedule's
       largest step is `schedule_cap` $\\eta^*$; $c = $ `schedule_cap` $\\eta^*T_0^{1/2}$
-      when $B = 0$).
+      when $A = 0$ or $B = 0$: `schedule_constant`).
     - `tau_scales`: delay scales at which the bound is refitted (1 = the scenario); each
       scaled scenario gets its own equilibrium.
     """
@@ -541,9 +553,7 @@ def theorem1_ladder(
             continue
         # eta(T0) = c T0^(-1/2) at most schedule_cap eta*.
         cap = ladder.schedule_cap * e1 * math.sqrt(Hs[0])
-        share = ladder.schedule_share
-        c = math.sqrt(share / (1 - share) * fit["A"] / fit["B"]) if fit["B"] > 0 else cap
-        c = min(c, cap)
+        c = schedule_constant(fit, ladder.schedule_share, cap)
         rec["schedule_c"] = c
         sched_of[b] = []
         for j in range(len(Hs)):

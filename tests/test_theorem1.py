@@ -22,9 +22,11 @@ from dlbfluid._scenario import scenario_from_dict, stack_scenarios
 from dlbfluid._stability import critical_step_size
 from dlbfluid._theorem1 import (
     certificate,
+    delay_share,
     empirical_eta0,
     fit_bound,
     growth_exponent,
+    schedule_constant,
     schedule_slope,
     window_ratio,
 )
@@ -161,6 +163,23 @@ def test_nonnegative_fit_and_verdict():
     y3[0, 0] *= 2.0
     assert not fit_bound(T, eta, y3)["holds"]
     assert fit_bound([1.0, 2.0], [0.1, 0.1], [1.0, 0.5])["A"] is None
+
+
+def test_schedule_constant_gives_the_delay_term_its_share_and_never_a_zero_step():
+    """Along eta = c T^(-1/2) the delay share B eta / bound is B c^2 / (A + B c^2) (C = 0):
+    the constant must give it the asked share at every T; with A = 0 or B = 0 it is the cap
+    (A = 0 used to give c = 0, a schedule that never moves, and a 0/0 in the bound)."""
+    fit = {"A": 0.8, "B": 3.0, "C": 0.0}
+    c = schedule_constant(fit, 0.25, cap=10.0)
+    assert c == pytest.approx((0.25 / 0.75 * 0.8 / 3.0) ** 0.5, rel=1e-15)
+    T = np.array([10.0, 40.0, 160.0])
+    np.testing.assert_allclose(delay_share(fit, T, c / np.sqrt(T)), 0.25, rtol=1e-13)
+    assert schedule_constant(fit, 0.25, cap=0.1) == 0.1
+    for A, B in ((0.0, 3.0), (0.8, 0.0), (0.0, 0.0)):
+        assert schedule_constant({"A": A, "B": B, "C": 1.0}, 0.25, cap=0.4) == 0.4
+    with np.errstate(all="raise"):
+        share = delay_share({"A": 0.0, "B": 3.0, "C": 1.0}, T, 0.4 / np.sqrt(T))
+    assert np.all((share > 0) & (share < 1))
 
 
 def test_slopes_exponents_and_eta0_on_synthetic_data():
