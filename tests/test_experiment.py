@@ -11,6 +11,7 @@ import pytest
 import dlbfluid as dl
 from dlbfluid import _experiment as ex
 from dlbfluid._cli import main
+from dlbfluid._defaults import PROBE_TICK
 
 POLS = ("rand", "mnlb", "flow-grad")
 
@@ -155,6 +156,11 @@ def test_cli_json_contract(first_run, capsys):
     assert code == 0
     got = json.loads(capsys.readouterr().out)
     assert set(got) == {"experiment", "config", "summary", "out"}
+    # issue #12: the config names the cadence and the step rule; the rule defaults to the
+    # paper's, the tick (given here) to the probe cadence
+    assert (got["config"]["tick"], got["config"]["step_rule"]) == (0.1, "paper")
+    default = ex.ExperimentConfig("burst")
+    assert (default.tick, default.step_rule) == (PROBE_TICK, "paper")
     assert got["summary"] == res["summary"]  # resumed: nothing recomputed, same numbers
     assert set(got["summary"][0]) == {
         "variant",
