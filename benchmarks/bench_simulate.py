@@ -117,6 +117,12 @@ def parse_args(argv=None):
         "--dtypes", default="float64,float32", help="--appb: comma list of float64, float32"
     )
     p.add_argument("--ticks", type=int, default=400, help="--appb: ticks per call (default 400)")
+    p.add_argument(
+        "--chunks",
+        default="default",
+        help="--appb: comma list of simulate(chunk=) values to compare: 'default' (the "
+        "backend's choice), 'whole' (the whole batch at once) or integers (default: default)",
+    )
     p.add_argument("--batches", type=_ints, default=None, help="default 1,100,1000,10000")
     p.add_argument("--cells", type=_ints, default=None, help="default 2,5,10")
     p.add_argument("--paths", default="fast,accurate", help="comma list of fast, accurate")
@@ -186,6 +192,10 @@ def parse_args(argv=None):
                 p.error(f"--dtypes: unknown dtype {d!r} (allowed: float64, float32)")
         if a.ticks < 2:
             p.error(f"--ticks: {a.ticks} is invalid: expected >= 2")
+        a.chunks = [s.strip() for s in a.chunks.split(",") if s.strip()]
+        for c in a.chunks:
+            if c not in ("default", "whole") and not (c.isdigit() and int(c) >= 1):
+                p.error(f"--chunks: {c!r} is invalid: expected default, whole or an integer >= 1")
         a.batches = sorted(set(a.batches or [1, 100, 1000]))
         a.cells = a.cells or [2, 5, 10, 20]
         if a.tick == 0.05:  # (the parser's default: the App.-B case runs at 5 ms)
@@ -401,12 +411,14 @@ def compile_seconds() -> float:
     return total
 
 
-def run_dlbfluid(batch, path: str, args, dtype, *, horizon=None, n_save=None):
+def run_dlbfluid(batch, path: str, args, dtype, *, horizon=None, n_save=None, chunk=None):
     """One compiling call, then the steady calls: (solution, first call, compile seconds,
-    best steady wall, steady walls, recompiled). `horizon`, `n_save`: default the args'."""
+    best steady wall, steady walls, recompiled). `horizon`, `n_save`: default the args'.
+    `chunk`: `simulate(chunk=)`, passed only when given (a tree without it still runs)."""
     integ = make_integrator(path, args)
     horizon = args.horizon if horizon is None else horizon
     n_save = args.n_save if n_save is None else n_save
+    extra = {} if chunk is None else {"chunk": chunk}
 
     def call():
         t0 = time.perf_counter()
@@ -419,6 +431,7 @@ def run_dlbfluid(batch, path: str, args, dtype, *, horizon=None, n_save=None):
             n_save=n_save,
             integrator=integ,
             dtype=dtype,
+            **extra,
         )
         jax.block_until_ready(sol.N)
         return sol, time.perf_counter() - t0
@@ -534,13 +547,28 @@ def machine_peak(dtype, size: int = 2048, repeats: int = 5) -> dict:
     return {"size": size, "wall_s": best, "ops_per_s": 2.0 * size**3 / best}
 
 
-def _time_appb(batch, args, dtype, ticks: int):
+def _time_appb(batch, args, dtype, ticks: int, chunk=None):
     """(first call, compile seconds, best steady wall, steady walls, solution) of one
     App.-B configuration of `ticks` ticks (`run_dlbfluid`, 4 saves)."""
     sol, first, comp, wall, walls, _ = run_dlbfluid(
-        batch, "fast", args, dtype, horizon=ticks * args.tick, n_save=4
+        batch, "fast", args, dtype, horizon=ticks * args.tick, n_save=4, chunk=chunk
     )
     return first, comp, wall, walls, sol
+
+
+def _chunk_arg(label: str, B: int, n: int):
+    """(`simulate(chunk=)` for a `--chunks` label, the chunk size it means: None for the
+    whole batch, '?' where this tree has no `default_chunk`)."""
+    if label == "whole":
+        return B, None
+    if label != "default":
+        return int(label), min(int(label), B)
+    try:
+        from dlbfluid._simulate import default_chunk
+    except ImportError:
+        return None, "?"
+    size = default_chunk(n)
+    return None, None if size is None or size >= B else size
 
 
 def _slope(xs, ys) -> float:
@@ -591,15 +619,18 @@ def main_appb(args):
         ops = ops_per_tick(n, M, window)
         for d in args.dtypes:
             dtype = getattr(jnp, d)
-            for B in args.batches:
+            for B, label in [(B, c) for B in args.batches for c in args.chunks]:
                 batch = jax.tree_util.tree_map(lambda a: a[:B] if eqx.is_array(a) else a, full)
-                first, comp, wall, walls, sol = _time_appb(batch, args, dtype, K)
+                chunk, size = _chunk_arg(label, B, n)
+                first, comp, wall, walls, sol = _time_appb(batch, args, dtype, K, chunk)
                 n_ok = int(np.sum(np.asarray(sol.status) == dl.STATUS["success"]))
                 sps = B * K / wall
                 res = {
                     "n_cells": n,
                     "batch": B,
                     "dtype": d,
+                    "chunk": label,
+                    "chunk_size": size,
                     "substeps": M,
                     "compile_s": comp,
                     "first_call_s": first,
@@ -615,7 +646,7 @@ def main_appb(args):
                 }
                 results.append(res)
                 log(
-                    f"[appb n={n} B={B} {d} M={M}] compile {comp:.1f}s wall {wall:.3f}s "
+                    f"[appb n={n} B={B} {d} M={M} chunk={label}:{res['chunk_size']}] compile {comp:.1f}s wall {wall:.3f}s "
                     f"{sps:.4g} scenario-ticks/s ({1e6 / sps:.2f} us), "
                     f"{ops['total']} ops/tick, {100 * res['fraction_of_peak']:.2f}% of peak, "
                     f"{n_ok}/{B} ok"
@@ -625,9 +656,14 @@ def main_appb(args):
             d = args.dtypes[0]
             B = max(args.batches)
             batch = jax.tree_util.tree_map(lambda a: a[:B] if eqx.is_array(a) else a, full)
-            _, _, w2, _, _ = _time_appb(batch, args, getattr(jnp, d), 2 * K)
+            c0 = args.chunks[0]  # (the scaling exponents are those of the first --chunks)
+            _, _, w2, _, _ = _time_appb(
+                batch, args, getattr(jnp, d), 2 * K, _chunk_arg(c0, B, n)[0]
+            )
             w1 = next(
-                r["wall_s"] for r in results if (r["n_cells"], r["batch"], r["dtype"]) == (n, B, d)
+                r["wall_s"]
+                for r in results
+                if (r["n_cells"], r["batch"], r["dtype"], r["chunk"]) == (n, B, d, c0)
             )
             scaling[f"horizon_n{n}_B{B}_{d}"] = {
                 "ticks": [K, 2 * K],
@@ -636,7 +672,7 @@ def main_appb(args):
             }
         del full
     for d in args.dtypes:
-        rows = [r for r in results if r["dtype"] == d]
+        rows = [r for r in results if r["dtype"] == d and r["chunk"] == args.chunks[0]]
         big = [b for b in args.batches if b >= 100]
         if len(big) >= 2:
             for n in args.cells:
@@ -671,12 +707,14 @@ def main_appb(args):
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
-    hdr = f"{'cells':>5} {'batch':>6} {'dtype':>8} {'M':>2} {'compile_s':>9} {'us/tick':>8} "
+    hdr = f"{'cells':>5} {'batch':>6} {'dtype':>8} {'chunk':>12} {'M':>2} {'compile_s':>9} "
+    hdr += f"{'us/tick':>8} "
     hdr += f"{'ticks/s':>10} {'ops/tick':>9} {'%peak':>6}"
     lines = [hdr, "-" * len(hdr)]
     for r in results:
         lines.append(
-            f"{r['n_cells']:>5} {r['batch']:>6} {r['dtype']:>8} {r['substeps']:>2} "
+            f"{r['n_cells']:>5} {r['batch']:>6} {r['dtype']:>8} "
+            f"{r['chunk'] + ':' + str(r['chunk_size']):>12} {r['substeps']:>2} "
             f"{r['compile_s']:>9.1f} {r['us_per_scenario_tick']:>8.2f} "
             f"{r['scenario_ticks_per_s']:>10.4g} {r['ops_per_scenario_tick']:>9} "
             f"{100 * r['fraction_of_peak']:>6.2f}"

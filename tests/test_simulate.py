@@ -350,3 +350,26 @@ def test_mass_balance_status_flags_lost_requests_only():
     assert list(sol.status_names()) == ["mass_balance"] * 2  # 1e-9 per tick is far beyond rounding
     with pytest.raises(dl.SimulationError, match="mass_balance"):
         sol.raise_for_status()
+
+
+def test_chunks_change_the_speed_not_the_numbers():
+    """`chunk` (scenarios advanced together on a device) is a speed knob: chunks of 2 of a
+    batch of 5 (three chunks, the last padded) give the whole batch's numbers to rounding,
+    with equal ticks (one tick loop per chunk) and with a tick per scenario (a loop per
+    scenario)."""
+    rng = np.random.default_rng(11)
+    scns = [dl.scenario_from_dict(random_scenario(rng, 4, max_tau=0.12)) for _ in range(5)]
+    batch = dl.stack_scenarios(scns)
+    assert sim.default_chunk(4) == sim.CPU_CHUNK > 5  # so the default runs the whole batch
+    ticks = np.array([0.01, 0.02, 0.01, 0.02, 0.01])
+    for tick in (0.02, ticks):
+        kw = dict(step_size=0.5, tick=tick, horizon=0.6, n_save=6)
+        whole = dl.simulate(batch, "flow-grad", **kw)
+        parts = dl.simulate(batch, "flow-grad", chunk=2, **kw)
+        assert list(whole.status_names()) == list(parts.status_names()) == ["success"] * 5
+        for f in ("N", "x", "arrivals", "departures", "workload_integral", "in_flight"):
+            a, b = np.asarray(getattr(whole, f)), np.asarray(getattr(parts, f))
+            np.testing.assert_allclose(b, a, rtol=1e-13, atol=1e-13, err_msg=f)
+        assert float(np.max(np.abs(np.asarray(whole.N[:, -1] - whole.N[:, 0])))) > 1e-3
+    with pytest.raises(ValueError, match="chunk = 0 is invalid"):
+        dl.simulate(batch, "flow-grad", chunk=0, tick=0.02, horizon=0.6, n_save=6)
