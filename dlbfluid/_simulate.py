@@ -422,6 +422,16 @@ def default_chunk(n_cells: int) -> int | None:
     return CPU_CHUNK
 
 
+def _chosen_chunk(chunk: int | None, n_cells: int, share: int) -> int | None:
+    """`chunk` as given, else `default_chunk` for a device share of at least four such
+    chunks (a smaller batch runs whole: the chunks' loop costs compile time, about 1.5 s
+    at 10 cells, for a gain that only a large batch repays)."""
+    if chunk is not None:
+        return chunk
+    size = default_chunk(n_cells)
+    return size if size is not None and share >= 4 * size else None
+
+
 def _hist_len(tau_max_over_h: float) -> int:
     need = int(math.floor(tau_max_over_h + 1e-9)) + 2
     return 1 << max(need - 1, 1).bit_length()
@@ -499,7 +509,8 @@ def simulate(
       `None` (default) for none: the policy runs wrapped in `ErrorAverse`.
     - `chunk`: how many scenarios of a device's share advance through the ticks together
       (an integer >= 1), or `None` (default) for the backend's choice (`default_chunk`:
-      on a CPU as many as keep a tick in cache, elsewhere the whole share). It changes the
+      on a CPU as many as keep a tick in cache, for a share of at least four chunks;
+      elsewhere the whole share). It changes the
       speed only: a scenario's arithmetic does not depend on its chunk.
 
     **Returns:** a `Solution`; unbatched when the inputs are.
@@ -616,7 +627,7 @@ def simulate(
         # Only a policy that precomputes a schedule depends on the horizon at trace time.
         horizon=T if looped.uses_horizon else None,
         window=window,
-        chunk=default_chunk(n) if chunk is None else chunk,
+        chunk=_chosen_chunk(chunk, n, -(-Bb // ndev)),
     )
     # The policy's and integrator's arrays are arguments, the rest of them static (as
     # `filter_jit` splits them), so that the command line can keep the traced program
