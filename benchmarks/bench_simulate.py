@@ -738,6 +738,9 @@ def main_appb(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    # Every core a CPU device, as `dlbfluid experiment` runs (`DLBFLUID_CPU_DEVICES=1`: one);
+    # a tree without `use_cpu_cores` runs as XLA_FLAGS says.
+    getattr(dl, "use_cpu_cores", lambda: None)()
     if args.appb:
         return main_appb(args)
     dtype = jnp.float32 if args.dtype == "float32" else jnp.float64

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ._costs import route_costs as route_costs
     from ._critical_batch import BatchStability as BatchStability
     from ._critical_batch import batch_critical_step_size as batch_critical_step_size
+    from ._devices import use_cpu_cores as use_cpu_cores
     from ._equilibrium import EQ_STATUS as EQ_STATUS
     from ._equilibrium import EquilibriumError as EquilibriumError
     from ._equilibrium import EquilibriumSolution as EquilibriumSolution

@@ -27,6 +27,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # off in the tests' in-process CLI calls, which use the run's cache above and trace as the
 # API does; tests/test_cache.py turns them on where it checks them.
 os.environ.setdefault("DLBFLUID_CACHE_DIR", "off")
+# One CPU device per test process (the xdist workers share the cores already): an in-process
+# `experiment` call would otherwise give a worker that has not started JAX yet a device per
+# core for all of its later tests (`dlbfluid.use_cpu_cores`; tests/test_simulate.py runs two
+# devices in a subprocess of its own).
+os.environ.setdefault("DLBFLUID_CPU_DEVICES", "1")
 
 # The longest files first (`pytest --durations`: the notebooks, the examples and the
 # distributed run take 30-60 s each), so that no xdist worker is left with one of them at

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 
+import jax
 import numpy as np
 import pytest
 
 import dlbfluid as dl
 from dlbfluid import _experiment as ex
-from dlbfluid._cli import main
+from dlbfluid._cli import _one_process, main
 from dlbfluid._defaults import PROBE_TICK
 
 POLS = ("rand", "mnlb", "flow-grad")
@@ -182,6 +184,48 @@ def test_cli_rejects_bad_policy(capsys, tmp_path):
     code = main(["experiment", "baseline", "--policies", "flow-grad", "--out", str(tmp_path)])
     assert code == 2
     assert "'rand' is required" in capsys.readouterr().err
+
+
+def test_cli_experiment_takes_every_core(capsys, monkeypatch, tmp_path):
+    """`experiment` asks for a CPU device per core before any work (one process only);
+    the other commands do not, and a bad `DLBFLUID_CPU_DEVICES` stops the command."""
+    from dlbfluid import _devices
+
+    calls = []
+    monkeypatch.setattr(_devices, "use_cpu_cores", lambda: calls.append(1))
+    bad = ["--policies", "flow-grad", "--out", str(tmp_path)]  # refused before any work
+    assert main(["experiment", "baseline", *bad]) == 2
+    assert calls == [1]
+    assert main(["simulate", "default", "--horizon", "1", "--tick", "0.3"]) == 2
+    assert calls == [1]
+    one = dict(coordinator=None, num_processes=None, process_id=None, detect_cluster=False)
+    assert _one_process(argparse.Namespace(**one))
+    two = dict(one, coordinator="localhost:1234", num_processes=2, process_id=0)
+    assert not _one_process(argparse.Namespace(**two))  # each process keeps one device
+    assert _one_process(argparse.Namespace(**dict(two, num_processes=1)))
+    monkeypatch.undo()
+    monkeypatch.setenv("DLBFLUID_CPU_DEVICES", "0")
+    assert main(["experiment", "baseline", *bad]) == 2
+    err = capsys.readouterr().err
+    assert "DLBFLUID_CPU_DEVICES = '0' is invalid: expected an integer >= 1 or 'auto'" in err
+    assert not (tmp_path / "results.csv").exists()
+
+
+def test_cpu_devices_wanted():
+    """The device count `use_cpu_cores` asks for, from the environment."""
+    from dlbfluid._devices import _cores, cpu_devices_wanted
+
+    assert cpu_devices_wanted({}) == _cores() >= 1
+    assert cpu_devices_wanted({"DLBFLUID_CPU_DEVICES": "auto"}) == _cores()
+    assert cpu_devices_wanted({"DLBFLUID_CPU_DEVICES": " 3 "}) == 3
+    flags = "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
+    assert cpu_devices_wanted({"XLA_FLAGS": flags, "DLBFLUID_CPU_DEVICES": "3"}) is None
+    assert cpu_devices_wanted({"JAX_NUM_CPU_DEVICES": "2"}) is None
+    for bad in ("0", "-2", "1.5", "many"):
+        with pytest.raises(ValueError, match=f"DLBFLUID_CPU_DEVICES = '{bad}' is invalid"):
+            cpu_devices_wanted({"DLBFLUID_CPU_DEVICES": bad})
+    jax.numpy.zeros(1).block_until_ready()  # (the backend starts here at the latest)
+    assert dl.use_cpu_cores({}) is None  # too late: nothing changes
 
 
 def test_noise_variants_change_only_the_routers_models():

@@ -291,7 +291,8 @@ def test_bad_simulation_options(three, kwargs, needle):
 
 
 def test_sharded_over_two_cpu_devices(tmp_path):
-    """The batch axis is split over every device: two CPU devices give the same answer."""
+    """The batch axis is split over every device: two CPU devices (`use_cpu_cores`) give
+    the same answer."""
     import subprocess
     import sys
     import textwrap
@@ -302,6 +303,7 @@ def test_sharded_over_two_cpu_devices(tmp_path):
         sys.path.insert(0, 'tests')
         import jax, dlbfluid as dl
         from helpers import THREE, two_mm1
+        assert dl.use_cpu_cores() == 2  # (from DLBFLUID_CPU_DEVICES, before any JAX work)
         assert jax.device_count() == 2, jax.devices()
         b = dl.stack_scenarios([dl.scenario_from_dict(THREE), dl.scenario_from_dict(two_mm1()),
                                 dl.scenario_from_dict(THREE)])
@@ -309,7 +311,9 @@ def test_sharded_over_two_cpu_devices(tmp_path):
         print(json.dumps(np.asarray(sol.N).tolist()))
         """
     )
-    env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["DLBFLUID_CPU_DEVICES"] = "2"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=str(__import__("pathlib").Path(__file__).parent.parent), check=True)
     sharded = np.array(__import__("json").loads(out.stdout.strip().splitlines()[-1]))
