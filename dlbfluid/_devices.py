@@ -132,11 +132,12 @@ def use_cpu_cores(environ: Mapping[str, str] | None = None) -> int | None:
     `ValueError` for a bad `$DLBFLUID_CPU_DEVICES`.
     """
     count = cpu_devices_wanted(environ)
-    from jax._src import xla_bridge
-
-    if count is None or xla_bridge.backends_are_initialized():
+    if count is None:
         return None
-    jax.config.update("jax_num_cpu_devices", count)
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # JAX refuses the setting once its backends have started
+        return None
     return count
 
 
