@@ -104,8 +104,6 @@ def _setup(scn, eta, h, hist: int) -> TickSetup:
         m=m,
         r=r,
         offsets=offsets,
-        switch_order=jnp.argsort(r, axis=0),
-        obs_segment=jnp.sum(r[None, :, :] <= offsets[:, None, :], axis=1),
         step=(eta * h).astype(dtype),
         h=h,
         hist=hist,

@@ -36,10 +36,6 @@ class TickSetup(eqx.Module):
     - `tau`: `(n, n)` one-way delays $\\tau_{ij}$ (0 on forbidden arcs).
     - `m`, `r`: `(n, n)` $\\tau_{ij} = m_{ij}h + r_{ij}$, $0 \\le r_{ij} < h$.
     - `offsets`: `(n, n)` $h - r_{ij}$, where inside a tick $N_j$ is observed.
-    - `switch_order`: `(n, n)` per cell (column), its in-arcs in the order of their switch
-      times $r_{ij}$ within a tick.
-    - `obs_segment`: `(n, n)` for the observation of cell $j$ by router $i$ (at local time
-      $h - r_{ij}$), the number of cell $j$'s switch times at or before it.
     - `step`: `(n,)` per-router step $\\eta_i h$.
     - `h`: the tick.
     - `hist`: (static) length of the ring buffers, more than $\\max m + 1$ ticks.
@@ -49,8 +45,6 @@ class TickSetup(eqx.Module):
     m: Int[Array, "n n"]
     r: Float[Array, "n n"]
     offsets: Float[Array, "n n"]
-    switch_order: Int[Array, "n n"]
-    obs_segment: Int[Array, "n n"]
     step: Float[Array, " n"]
     h: Float[Array, ""]
     hist: int = eqx.field(static=True)
