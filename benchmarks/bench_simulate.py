@@ -509,32 +509,37 @@ def fmt_table(results, meta) -> str:
 def ops_per_tick(n: int, substeps: int, window: int) -> dict:
     """Floating-point operations of one flow-grad scenario-tick of `Fast`, counted from the
     algorithm (theory/discretisation.md, *Fast path*); an add, multiply, compare or select
-    counts one, a transcendental one. `window` is the number of arrival-profile breakpoints
-    each arc integral visits (`_window_width`). The terms:
+    counts one. `window` is the number of arrival-profile breakpoints each arc integral
+    visits (`_window_width`). The terms:
 
     * inflow pieces: two `rate_integral`s and two `rate_slope`s per arc over the window,
       about 12 and 4 operations per profile piece, plus 12 per arc for the coefficients;
-    * the per-cell switch sweep (permute, cumulative sums, masses): about 14 per arc;
-    * cumulative inflow at the stage times: 3 per sub-step and cell, each n compares plus 8;
-    * service rates (softplus cells: about 14 each, 4 per sub-step and cell) and the stage
+    * the closed-form cumulative inflow (`_cumulative`): its coefficients (4 per arc), then
+      per query a sum over the n sources of about 5 operations plus 6; two queries per
+      sub-step and cell (the mid-step and end-step times) and one per arc (the observation
+      offsets, O(n^3) in all);
+    * service rates (softplus cells: about 14 each plus the exponential and log1p as
+      arithmetic, `_elementary`: about 30 and 35; 4 per sub-step and cell) and the stage
       arithmetic (about 30 per sub-step and cell);
-    * observations: about 10 per arc plus 16 per arc and sub-step (dense output, select);
-    * the routers' demand this tick (12 per profile piece and cell) and the mass in flight
-      (4 per arc);
-    * flow-grad: the marginal cost per arc (about 20: latency, its slope, the product), the
-      step (3 per arc), the simplex projection by pairwise comparisons (about 5 n^2 per
-      router: compare, mask, select, two sums) and its threshold (4 per arc);
+    * observations: the dense output, about 16 per arc and sub-step;
+    * the routers' demand this tick (12 per profile piece and cell), the mass in flight
+      (4 per arc) and the next tick's arrival window (about 8 per breakpoint and cell);
+    * flow-grad: the marginal cost per arc (about 20 plus the exponential and log1p: the
+      latency, its slope, the product), the step (3 per arc), the simplex projection by
+      pairwise comparisons (about 5 n^2 per router: compare, mask, select, two sums) and
+      its threshold (4 per arc);
     * bookkeeping: finiteness and sign checks, ring writes, totals (about 6 per arc).
     """
     n2, M, W = n * n, substeps, max(window - 1, 1)
+    elementary = 30 + 35  # exp_neg and log1p_unit as plain arithmetic
+    query = 5 * n + 6
     parts = {
         "inflow_pieces": n2 * (2 * 12 * W + 2 * 4 * W + 12),
-        "switch_sweep": 14 * n2,
-        "cumulative_inflow": 3 * M * n * (n + 8),
-        "service_and_stages": M * n * (4 * 14 + 30),
-        "observations": n2 * (10 + 16 * M),
-        "demand_and_flight": n * 12 * W + 4 * n2,
-        "policy": n2 * (20 + 3 + 4) + n * 5 * n2,
+        "cumulative_inflow": 4 * n2 + 2 * M * n * query + n2 * query,
+        "service_and_stages": M * n * (4 * (14 + elementary) + 30),
+        "observations": n2 * 16 * M,
+        "demand_flight_window": n * 12 * W + 4 * n2 + 8 * n * window,
+        "policy": n2 * (20 + elementary + 3 + 4) + n * 5 * n2,
         "bookkeeping": 6 * n2,
     }
     return dict(parts, total=int(sum(parts.values())))
