@@ -63,6 +63,29 @@ class Totals(eqx.Module):
     drops: Float[Array, " n"]
 
 
+class ArrivalWindow(eqx.Module):
+    """The arrival and replica profiles as tick $k$ of one scenario needs them, in time
+    relative to $t_k$ (theory/discretisation.md, *One arrival window*).
+
+    **Fields:**
+    - `times`, `rates`: `(n, W)` the `W` breakpoints of each arrival profile from the last
+      one at or before $t_k - \\bar\\tau$ on (all of them when the profile has at most `W`).
+    - `replica_times`: `(n, R)` the replica schedules' breakpoints.
+    - `found`: `(n,)` how many breakpoints of each profile lie at or before
+      $t_k - \\bar\\tau$ (the next tick's search starts there).
+
+    Times are the breakpoints less $t_k$, the difference taken in float64 and rounded once
+    to the run's dtype (`_local`). The loop carries the window: it is made at the end of
+    tick $k - 1$ for tick $k$, so that a tick reads it as a small array instead of
+    recomputing it inside every loop over arcs that uses it.
+    """
+
+    times: Float[Array, "n W"]
+    rates: Float[Array, "n W"]
+    replica_times: Float[Array, "n R"]
+    found: Int[Array, " n"]
+
+
 class SimState(eqx.Module):
     """The loop state of one scenario at the start of tick $k$.
 
@@ -76,6 +99,7 @@ class SimState(eqx.Module):
     - `policy_state`: the policy's own state (`AbstractPolicy.init_state`).
     - `status`: a `RESULTS` code; a failed scenario freezes at its last good state.
     - `change`: the largest change of $N$ or $x$ over the last tick.
+    - `window`: the `ArrivalWindow` of tick $k$.
     """
 
     N: Float[Array, " n"]
@@ -86,6 +110,7 @@ class SimState(eqx.Module):
     policy_state: object
     status: Int[Array, ""]
     change: Float[Array, ""]
+    window: ArrivalWindow
 
 
 # ----------------------------------------------------------------------------------------
@@ -110,8 +135,9 @@ def _setup(scn, eta, h, hist: int) -> TickSetup:
     )
 
 
-def _init_state(scn, setup: TickSetup, aux, *, policy: AbstractPolicy) -> SimState:
-    """The state at $t = 0$: constant histories $N(0)$ and $x^0$."""
+def _init_state(scn, setup: TickSetup, aux, *, policy: AbstractPolicy, width: int) -> SimState:
+    """The state at $t = 0$: constant histories $N(0)$ and $x^0$; the arrival window of
+    tick 0 (`width` breakpoints, `_window_width`)."""
     n = scn.n_cells
     hist = setup.hist
     dtype = scn.latency.dtype
@@ -128,6 +154,7 @@ def _init_state(scn, setup: TickSetup, aux, *, policy: AbstractPolicy) -> SimSta
         policy_state=policy.init_state(scn, setup, aux, x0),
         status=jnp.asarray(RESULTS.success),
         change=jnp.asarray(jnp.inf, dtype),
+        window=_arrival_window(scn, setup, jnp.zeros((), jnp.int32), width),
     )
 
 
@@ -152,24 +179,56 @@ def _local(scn, t0):
     )
 
 
+def _found(times, t_lo):
+    """How many breakpoints of each profile (rows of `times`) lie at or before `t_lo`."""
+    search = functools.partial(jnp.searchsorted, side="right", method="compare_all")
+    return jax.vmap(lambda ts: search(ts.astype(t_lo.dtype), t_lo))(times).astype(jnp.int32)
+
+
+def _cut(times, rates, found, width: int):
+    """Each profile's `width` breakpoints from the last one at or before the time that
+    `found` counted (`_found`), or from the last `width` ones."""
+    start = jnp.clip(found - 1, 0, times.shape[-1] - width)
+    cut = functools.partial(jax.lax.dynamic_slice_in_dim, slice_size=width)
+    return jax.vmap(cut)(times, start), jax.vmap(cut)(rates, start)
+
+
 def _profile_window(scn, t_lo, width: int):
     """The scenario with each arrival profile cut to the `width` breakpoints starting at the
     last one at or before `t_lo`: exact for every integral inside `[t_lo, t_lo + span]` when
     `width` counts the breakpoints of any such span (`_window_width`)."""
-    P = scn.arrival_times.shape[-1]
-    if width >= P:
+    if width >= scn.arrival_times.shape[-1]:
         return scn
-
-    def cut(ts, rs):
-        found = jnp.searchsorted(ts.astype(t_lo.dtype), t_lo, side="right", method="compare_all")
-        start = jnp.clip(found - 1, 0, P - width)
-        return (
-            jax.lax.dynamic_slice_in_dim(ts, start, width),
-            jax.lax.dynamic_slice_in_dim(rs, start, width),
-        )
-
-    ts, rs = jax.vmap(cut)(scn.arrival_times, scn.arrival_rates)
+    ts, rs = _cut(scn.arrival_times, scn.arrival_rates, _found(scn.arrival_times, t_lo), width)
     return dataclasses.replace(scn, arrival_times=ts, arrival_rates=rs)
+
+
+def _arrival_window(full, setup: TickSetup, k, width: int, found=None) -> ArrivalWindow:
+    """The `ArrivalWindow` of tick `k`: the breakpoints in $[t_k - \\bar\\tau, t_k + h]$
+    and before, relative to $t_k$. `found` (that of tick `k - 1`) makes the search
+    incremental: since $t_k - \\bar\\tau$ advances by $h$, fewer than `width` breakpoints
+    are passed in one tick (`_window_width` counts those of a longer span), so `width`
+    comparisons from the last position replace the search of the whole profile. (Only a
+    trailing run of identical breakpoints, which `_window_width` counts once, can be passed
+    faster than that; the window then lies inside the run, a constant rate, whatever its
+    start.)"""
+    tk64 = k.astype(jnp.float64) * setup.h.astype(jnp.float64)
+    t_lo = tk64 - jnp.max(setup.tau).astype(jnp.float64)
+    ts, rs = full.arrival_times, full.arrival_rates
+    P = ts.shape[-1]
+    if width >= P:
+        found = jnp.zeros(ts.shape[:-1], jnp.int32)
+    else:
+        if found is None:
+            found = _found(ts, t_lo)
+        else:
+            ahead = found[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+            seen = jnp.take_along_axis(ts, jnp.minimum(ahead, P - 1), axis=-1)
+            passed = (seen.astype(jnp.float64) <= t_lo) & (ahead < P)
+            found = found + jnp.sum(passed, axis=-1, dtype=jnp.int32)
+        ts, rs = _cut(ts, rs, found, width)
+    loc = _local(dataclasses.replace(full, arrival_times=ts, arrival_rates=rs), tk64)
+    return ArrivalWindow(loc.arrival_times, rs, loc.replica_times, found)
 
 
 def _window_width(times: np.ndarray, span: float, rates: np.ndarray | None = None) -> int:
@@ -206,9 +265,12 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     # in float32, t_k = k h itself is off by up to half a spacing (6e-5 s at 600 s), and so
     # would be the length of every tick's arrival integral, with the same sign for long runs.
     tk64 = k.astype(jnp.float64) * h.astype(jnp.float64)
-    # Only the breakpoints in [t_k - max tau, t_k + h] matter inside this tick.
-    scn = _profile_window(full, tk64 - jnp.max(tau).astype(jnp.float64), window)
-    loc = _local(scn, tk64)
+    # Only the breakpoints in [t_k - max tau, t_k + h] matter inside this tick: the window
+    # that the last tick made (`ArrivalWindow`).
+    win = state.window
+    loc = dataclasses.replace(
+        full, arrival_times=win.times, arrival_rates=win.rates, replica_times=win.replica_times
+    )
     zero = jnp.zeros((), dtype)
     # The rings are read here only (the delayed routings and observations) and written once
     # below; the routing in force is carried in the state. A read of a ring late in the tick
@@ -229,11 +291,11 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
         k=k,
         t=t_next,
         workload=jnp.where(m == 0, out.observed, seen),
-        scale=_scale_at(loc, h - tau) if scn.replica_times.shape[-1] > 1 else None,
+        scale=_scale_at(loc, h - tau) if full.replica_times.shape[-1] > 1 else None,
         drops=out.drops,
         arrivals=out.arrivals,
     )
-    x_next, pstate = policy.update(scn, setup, state.policy_state, obs, aux)
+    x_next, pstate = policy.update(full, setup, state.policy_state, obs, aux)
     t = state.totals
     totals = Totals(
         arrivals=t.arrivals + out.arrivals,
@@ -265,7 +327,8 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     )
     x_ring = state.x_ring.at[(k + 1) & wrap].set(x)
     obs_ring = state.obs_ring.at[k & wrap].set(jnp.where(keep, out.observed, 0.0))
-    return SimState(N, x, x_ring, obs_ring, totals, pstate, status, change)
+    win = _arrival_window(full, setup, k + 1, window, win.found)
+    return SimState(N, x, x_ring, obs_ring, totals, pstate, status, change, win)
 
 
 def _run_ticks(scn, setup, state, k0, k1, aux, *, policy, integrator, window):
@@ -366,7 +429,8 @@ def _simulate_batch_impl(
 ):
     setup = jax.vmap(lambda s, e, hh: _setup(s, e, hh, hist))(scn, eta, h)
     aux = jax.vmap(lambda s, hh: policy.prepare(s, hh, horizon))(scn, h)
-    state0 = jax.vmap(lambda s, g, a: _init_state(s, g, a, policy=policy))(scn, setup, aux)
+    init = functools.partial(_init_state, policy=policy, width=window)
+    state0 = jax.vmap(init)(scn, setup, aux)
     kw = dict(policy=policy, integrator=integrator, window=window)
     if uniform:
         # Every scenario has the same ticks: the tick loop runs outside the vmap on scalar
