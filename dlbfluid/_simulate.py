@@ -272,25 +272,26 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
         full, arrival_times=win.times, arrival_rates=win.rates, replica_times=win.replica_times
     )
     zero = jnp.zeros((), dtype)
-    # The rings are read here only (the delayed routings and observations) and written once
-    # below; the routing in force is carried in the state. A read of a ring late in the tick
-    # would make XLA copy the whole ring every tick to write its slot in place.
-    xprev = state.x_ring[(k - m - 1) & wrap, I, J]
-    xcur = state.x_ring[(k - m) & wrap, I, J]
-    seen = state.obs_ring[(k - m) & wrap, I, J]
+    # The routing ring is read here (both delayed routings in one gather) and written once
+    # below; the routing in force is carried in the state.
+    back = jnp.arange(2, dtype=m.dtype)[:, None, None]
+    xprev, xcur = state.x_ring[(k - m[None] - back) & wrap, I[None], J[None]][::-1]
     x_k = state.x
     # Replica changes take effect on the tick whose midpoint has passed them.
     c = _scale_at(loc, jnp.broadcast_to(0.5 * h, (n,)))
     out = integrator.tick(loc, setup, zero, state.N, xprev, xcur, c)
     lam_tick = arc_integrals(loc, jnp.zeros((n, 1), dtype), jnp.full((n, 1), h))[:, 0]
     d_net = jnp.sum(2.0 * tau * x_k * lam_tick[:, None])
-    # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = the observation of tick k - m_ij
-    # (this tick's own for arcs with m_ij = 0; the ring is written once, below).
+    # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = the observation of tick k - m_ij:
+    # this tick's observations go into the ring first (a failed scenario's as 0), so that one
+    # gather reads them all, this tick's own for the arcs with m_ij = 0.
+    alive = state.status == RESULTS.success
+    obs_ring = state.obs_ring.at[k & wrap].set(jnp.where(alive, out.observed, 0.0))
     t_next = (tk64 + h.astype(jnp.float64)).astype(dtype)
     obs = Observation(
         k=k,
         t=t_next,
-        workload=jnp.where(m == 0, out.observed, seen),
+        workload=obs_ring[(k - m) & wrap, I, J],
         scale=_scale_at(loc, h - tau) if full.replica_times.shape[-1] > 1 else None,
         drops=out.drops,
         arrivals=out.arrivals,
@@ -312,7 +313,6 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     )
     # A workload below zero beyond rounding: the tick was integrated too coarsely.
     negative = jnp.min(out.N) < -1e-12 * (1.0 + jnp.max(jnp.abs(out.N)))
-    alive = state.status == RESULTS.success
     step_status = jnp.where(negative, RESULTS.negative_workload, out.status)
     status = jnp.where(alive, jnp.where(finite, step_status, RESULTS.nonfinite), state.status)
     # A failed scenario freezes at its last good state instead of spreading NaNs.
@@ -326,7 +326,6 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
         (state.N, x_k, state.totals, state.policy_state, state.change),
     )
     x_ring = state.x_ring.at[(k + 1) & wrap].set(x)
-    obs_ring = state.obs_ring.at[k & wrap].set(jnp.where(keep, out.observed, 0.0))
     win = _arrival_window(full, setup, k + 1, window, win.found)
     return SimState(N, x, x_ring, obs_ring, totals, pstate, status, change, win)
 
