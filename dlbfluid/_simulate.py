@@ -193,16 +193,6 @@ def _cut(times, rates, found, width: int):
     return jax.vmap(cut)(times, start), jax.vmap(cut)(rates, start)
 
 
-def _profile_window(scn, t_lo, width: int):
-    """The scenario with each arrival profile cut to the `width` breakpoints starting at the
-    last one at or before `t_lo`: exact for every integral inside `[t_lo, t_lo + span]` when
-    `width` counts the breakpoints of any such span (`_window_width`)."""
-    if width >= scn.arrival_times.shape[-1]:
-        return scn
-    ts, rs = _cut(scn.arrival_times, scn.arrival_rates, _found(scn.arrival_times, t_lo), width)
-    return dataclasses.replace(scn, arrival_times=ts, arrival_rates=rs)
-
-
 def _arrival_window(full, setup: TickSetup, k, width: int, found=None) -> ArrivalWindow:
     """The `ArrivalWindow` of tick `k`: the breakpoints in $[t_k - \\bar\\tau, t_k + h]$
     and before, relative to $t_k$. `found` (that of tick `k - 1`) makes the search
@@ -336,7 +326,7 @@ def _run_ticks(scn, setup, state, k0, k1, aux, *, policy, integrator, window):
     return jax.lax.fori_loop(k0, k1, lambda k, st: tick(scn, setup, st, k, aux), state)
 
 
-def _record(scn, setup: TickSetup, state: SimState, k, *, window: int):
+def _record(scn, setup: TickSetup, state: SimState, k):
     """The saved state at tick `k`, including the mass in flight on the network."""
     hist, h = setup.hist, setup.h
     dtype = scn.latency.dtype
@@ -349,9 +339,13 @@ def _record(scn, setup: TickSetup, state: SimState, k, *, window: int):
     lo = jnp.maximum(-back * h, -tau[None])
     hi = jnp.maximum((1.0 - back) * h, lo)
     q = k - 1 - jnp.arange(hist - 1)
-    # (the window of the tick just ended covers [t - max tau, t])
-    scn = _profile_window(scn, t64 - (h + jnp.max(tau)).astype(jnp.float64), window)
-    flight = jnp.sum(state.x_ring[q & (hist - 1)] * arc_integrals(_local(scn, t64), lo, hi))
+    # The state's arrival window is that of tick k, relative to t_k, and covers
+    # [t_k - max tau, t_k + h]: the integrals need [t_k - max tau, t_k].
+    win = state.window
+    loc = dataclasses.replace(
+        scn, arrival_times=win.times, arrival_rates=win.rates, replica_times=win.replica_times
+    )
+    flight = jnp.sum(state.x_ring[q & (hist - 1)] * arc_integrals(loc, lo, hi))
     tot = jax.tree_util.tree_map(lambda a: a.astype(dtype), state.totals)
     return dict(
         t=t,
@@ -443,7 +437,7 @@ def _simulate_batch_impl(
     else:
         run = jax.vmap(lambda s, g, st, a, b, x: _run_ticks(s, g, st, a, b, x, **kw))
     run = _chunked(run, chunk)
-    rec = jax.vmap(functools.partial(_record, window=window))
+    rec = jax.vmap(_record)
 
     def segment(state, ks):
         k0, k1 = ks

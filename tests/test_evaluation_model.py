@@ -231,6 +231,9 @@ def test_profile_window_is_exact(monkeypatch):
     b = dl.simulate(scn, "flow-grad", **kw)
     np.testing.assert_allclose(np.asarray(a.N), np.asarray(b.N), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(np.asarray(a.arrivals), np.asarray(b.arrivals), rtol=1e-12)
+    # The saved mass in flight integrates the carried window of the next tick.
+    assert float(np.max(np.asarray(b.in_flight))) > 0.1
+    np.testing.assert_allclose(np.asarray(a.in_flight), np.asarray(b.in_flight), rtol=1e-12)
     # And in a padded batch with a constant-rate scenario.
     c = dl.simulate(batch, "flow-grad", **kw)
     np.testing.assert_allclose(np.asarray(c.N[0])[:, : scn.n_cells], np.asarray(b.N),
