@@ -420,10 +420,6 @@ def _simulate_batch_impl(
     uniform,
     chunk=None,
 ):
-    setup = jax.vmap(lambda s, e, hh: _setup(s, e, hh, hist))(scn, eta, h)
-    aux = jax.vmap(lambda s, hh: policy.prepare(s, hh, horizon))(scn, h)
-    init = functools.partial(_init_state, policy=policy, width=window)
-    state0 = jax.vmap(init)(scn, setup, aux)
     kw = dict(policy=policy, integrator=integrator, window=window)
     if uniform:
         # Every scenario has the same ticks: the tick loop runs outside the vmap on scalar
@@ -436,23 +432,32 @@ def _simulate_batch_impl(
             )
     else:
         run = jax.vmap(lambda s, g, st, a, b, x: _run_ticks(s, g, st, a, b, x, **kw))
-    run = _chunked(run, chunk)
     rec = jax.vmap(_record)
 
-    def segment(state, ks):
-        k0, k1 = ks
-        state = run(scn, setup, state, k0, k1, aux)
-        if progress is not None:
-            jax.debug.callback(progress, jnp.max(k1), ordered=False)
-        return state, rec(scn, setup, state, k1)
+    def whole_run(scn, eta, h, save_ticks):
+        # A chunk (or the whole share) from its set-up to its last save: its state stays
+        # in one place for the whole run, however often it saves.
+        setup = jax.vmap(lambda s, e, hh: _setup(s, e, hh, hist))(scn, eta, h)
+        aux = jax.vmap(lambda s, hh: policy.prepare(s, hh, horizon))(scn, h)
+        init = functools.partial(_init_state, policy=policy, width=window)
+        state0 = jax.vmap(init)(scn, setup, aux)
 
-    pairs = jnp.stack([save_ticks[:, :-1].T, save_ticks[:, 1:].T], axis=1)  # (S, 2, B)
-    state, recs = jax.lax.scan(segment, state0, pairs)
-    first = rec(scn, setup, state0, save_ticks[:, 0])
-    recs = jax.tree_util.tree_map(
-        lambda a, b: jnp.concatenate([a[None], b]).swapaxes(0, 1), first, recs
-    )
-    return recs, state.status, state.change
+        def segment(state, ks):
+            k0, k1 = ks
+            state = run(scn, setup, state, k0, k1, aux)
+            if progress is not None:
+                jax.debug.callback(progress, jnp.max(k1), ordered=False)
+            return state, rec(scn, setup, state, k1)
+
+        pairs = jnp.stack([save_ticks[:, :-1].T, save_ticks[:, 1:].T], axis=1)  # (S, 2, B)
+        state, recs = jax.lax.scan(segment, state0, pairs)
+        first = rec(scn, setup, state0, save_ticks[:, 0])
+        recs = jax.tree_util.tree_map(
+            lambda a, b: jnp.concatenate([a[None], b]).swapaxes(0, 1), first, recs
+        )
+        return recs, state.status, state.change
+
+    return _chunked(whole_run, chunk)(scn, eta, h, save_ticks)
 
 
 CPU_CHUNK = 32
@@ -672,8 +677,11 @@ def simulate(
     args = shard_batch(args)
     integrator = integrator.for_batch(scn, float(h_b.max())).prepared(dtype)
     looped = pol if error_aversion is None else ErrorAverse(pol, error_aversion)
-    # (the progress callback runs once per segment on every device)
-    prog = Progress("simulating", n_save * jax.local_device_count()) if progress else None
+    share = (Bb + pad) // ndev
+    chunk = _chosen_chunk(chunk, n, share)
+    # (the progress callback runs once per save interval of every chunk on every device)
+    chunks = -(-share // chunk) if chunk is not None and chunk < share else 1
+    prog = Progress("simulating", n_save * chunks * ndev) if progress else None
     scn_a, eta_a, h_a, _, st_a = args
     static = dict(
         hist=hist,
@@ -682,7 +690,7 @@ def simulate(
         # Only a policy that precomputes a schedule depends on the horizon at trace time.
         horizon=T if looped.uses_horizon else None,
         window=window,
-        chunk=_chosen_chunk(chunk, n, -(-Bb // ndev)),
+        chunk=chunk,
     )
     # The policy's and integrator's arrays are arguments, the rest of them static (as
     # `filter_jit` splits them), so that the command line can keep the traced program
