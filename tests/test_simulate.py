@@ -6,6 +6,7 @@ method-of-steps implementation of the same tick model.
 
 import diffrax as dfx
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -356,11 +357,12 @@ def test_mass_balance_status_flags_lost_requests_only():
         sol.raise_for_status()
 
 
-def test_chunks_change_the_speed_not_the_numbers():
+def test_chunks_change_the_speed_not_the_numbers(capsys):
     """`chunk` (scenarios advanced together on a device) is a speed knob: chunks of 2 of a
     batch of 5 (three chunks, the last padded) give the whole batch's numbers to rounding,
     with equal ticks (one tick loop per chunk) and with a tick per scenario (a loop per
-    scenario)."""
+    scenario). Each chunk runs all of its saves, and the progress line counts the save
+    intervals of every chunk (6 x 3 on one device), ending at its total."""
     rng = np.random.default_rng(11)
     scns = [dl.scenario_from_dict(random_scenario(rng, 4, max_tau=0.12)) for _ in range(5)]
     batch = dl.stack_scenarios(scns)
@@ -369,11 +371,16 @@ def test_chunks_change_the_speed_not_the_numbers():
     for tick in (0.02, ticks):
         kw = dict(step_size=0.5, tick=tick, horizon=0.6, n_save=6)
         whole = dl.simulate(batch, "flow-grad", **kw)
-        parts = dl.simulate(batch, "flow-grad", chunk=2, **kw)
+        parts = dl.simulate(batch, "flow-grad", chunk=2, progress=tick is ticks, **kw)
         assert list(whole.status_names()) == list(parts.status_names()) == ["success"] * 5
         for f in ("N", "x", "arrivals", "departures", "workload_integral", "in_flight"):
             a, b = np.asarray(getattr(whole, f)), np.asarray(getattr(parts, f))
             np.testing.assert_allclose(b, a, rtol=1e-13, atol=1e-13, err_msg=f)
         assert float(np.max(np.abs(np.asarray(whole.N[:, -1] - whole.N[:, 0])))) > 1e-3
+    ndev = jax.local_device_count()
+    share = -(-5 // ndev)  # scenarios per device
+    total = 6 * -(-share // 2) * ndev  # saves x chunks of a share x devices
+    err = capsys.readouterr().err
+    assert f" {total}/{total} " in err and f"{total + 1}/" not in err, err[-300:]
     with pytest.raises(ValueError, match="chunk = 0 is invalid"):
         dl.simulate(batch, "flow-grad", chunk=0, tick=0.02, horizon=0.6, n_save=6)
