@@ -85,6 +85,16 @@ class ArrivalWindow(eqx.Module):
     replica_times: Float[Array, "n R"]
     found: Int[Array, " n"]
 
+    def local(self, scn):
+        """`scn` with its arrival and replica profiles replaced by this window: the
+        scenario in time relative to $t_k$, as a tick or a record at tick $k$ reads it."""
+        return dataclasses.replace(
+            scn,
+            arrival_times=self.times,
+            arrival_rates=self.rates,
+            replica_times=self.replica_times,
+        )
+
 
 class SimState(eqx.Module):
     """The loop state of one scenario at the start of tick $k$.
@@ -258,9 +268,7 @@ def _tick(full, setup: TickSetup, state: SimState, k, aux, *, policy, integrator
     # Only the breakpoints in [t_k - max tau, t_k + h] matter inside this tick: the window
     # that the last tick made (`ArrivalWindow`).
     win = state.window
-    loc = dataclasses.replace(
-        full, arrival_times=win.times, arrival_rates=win.rates, replica_times=win.replica_times
-    )
+    loc = win.local(full)
     zero = jnp.zeros((), dtype)
     # The routing ring is read here (both delayed routings in one gather) and written once
     # below; the routing in force is carried in the state.
@@ -341,10 +349,7 @@ def _record(scn, setup: TickSetup, state: SimState, k):
     q = k - 1 - jnp.arange(hist - 1)
     # The state's arrival window is that of tick k, relative to t_k, and covers
     # [t_k - max tau, t_k + h]: the integrals need [t_k - max tau, t_k].
-    win = state.window
-    loc = dataclasses.replace(
-        scn, arrival_times=win.times, arrival_rates=win.rates, replica_times=win.replica_times
-    )
+    loc = state.window.local(scn)
     flight = jnp.sum(state.x_ring[q & (hist - 1)] * arc_integrals(loc, lo, hi))
     tot = jax.tree_util.tree_map(lambda a: a.astype(dtype), state.totals)
     return dict(
@@ -373,6 +378,11 @@ def _simulate_batch_sharded(scn, eta, h, save_ticks, **static):
 _simulate_batch = solver_jit(_simulate_batch_sharded, jit=eqx.filter_jit)
 
 
+def _chunk_count(batch: int, chunk: int | None) -> int:
+    """How many chunks `_chunked` runs a batch of `batch` scenarios in (1: whole)."""
+    return 1 if chunk is None or chunk >= batch else -(-batch // chunk)
+
+
 def _chunked(run, chunk: int | None):
     """`run(*batched)` (every argument and output with the batch axis first) applied to
     consecutive chunks of about `chunk` scenarios one after the other (`lax.map`), the last
@@ -388,9 +398,9 @@ def _chunked(run, chunk: int | None):
 
     def call(*args):
         B = jax.tree_util.tree_leaves(args)[0].shape[0]
-        if chunk is None or chunk >= B:
+        C = _chunk_count(B, chunk)
+        if C == 1:
             return run(*args)
-        C = -(-B // chunk)
         size = -(-B // C)  # C chunks of equal size, fewer than C padded scenarios
         pad = C * size - B
 
@@ -680,7 +690,7 @@ def simulate(
     share = (Bb + pad) // ndev
     chunk = _chosen_chunk(chunk, n, share)
     # (the progress callback runs once per save interval of every chunk on every device)
-    chunks = -(-share // chunk) if chunk is not None and chunk < share else 1
+    chunks = _chunk_count(share, chunk)
     prog = Progress("simulating", n_save * chunks * ndev) if progress else None
     scn_a, eta_a, h_a, _, st_a = args
     static = dict(
