@@ -20,7 +20,13 @@ def _arc_pieces(scn, tk, tau, r, h, xprev, xcur):
     mass of its half ($\\int\\lambda_i$ over it, `arc_integrals`) and the slope of
     $\\lambda_i$ at its midpoint: exact wherever $\\lambda_i$ is linear across the half, and
     exact in mass always. Returns the coefficients $(\\alpha, \\beta)$ of
-    $\\alpha + \\beta s$ before and after the switch, each `(n, n)`.
+    $\\alpha + \\beta s$ before and after the switch, each stacked `(2, n, n)`.
+
+    Stacked, the pieces are two arrays that XLA materialises; as four elementwise results
+    it fused their arithmetic into `_cumulative`'s $O(n^3)$ loop over the observation
+    queries and redid it for every router (App.-B, 20 cells, batch 200: 21.5 -> 14.8 us
+    per scenario-tick in float64, 23.8 -> 10.9 in float32; 10 cells 3.68 -> 3.47 and
+    2.83 -> 2.74).
     """
     base = tk - tau
     P = arc_integrals(scn, base, base + r)
@@ -30,18 +36,17 @@ def _arc_pieces(scn, tk, tau, r, h, xprev, xcur):
     sq = slope(scn.arrival_times, scn.arrival_rates, base + 0.5 * (r + h))
     lp = jnp.where(r > 0, P / jnp.where(r > 0, r, 1.0), 0.0)  # mean rate of the first half
     lq = Q / (h - r)
-    a_prev = xprev * (lp - sp * 0.5 * r)
-    b_prev = xprev * sp
-    a_cur = xcur * (lq - sq * 0.5 * (r + h))
-    b_cur = xcur * sq
-    return a_prev, b_prev, a_cur, b_cur
+    before = jnp.stack([xprev * (lp - sp * 0.5 * r), xprev * sp])
+    after = jnp.stack([xcur * (lq - sq * 0.5 * (r + h)), xcur * sq])
+    return before, after
 
 
-def _inflow(a_prev, b_prev, a_cur, b_cur):
+def _inflow(before, after):
     """The coefficients of every cell's cumulative inflow (`_cumulative`) from its arcs'
-    pieces (`_arc_pieces`): the sums over sources of the pieces after the switch, and the
-    differences before less after, `(n,)`, `(n,)`, `(n, n)`, `(n, n)`."""
-    return jnp.sum(a_cur, axis=0), jnp.sum(b_cur, axis=0), a_prev - a_cur, b_prev - b_cur
+    pieces (`_arc_pieces`, `(2, n, n)` each): the sums over sources of the pieces after the
+    switch, and the differences before less after, `(n,)`, `(n,)`, `(n, n)`, `(n, n)`."""
+    S, d = jnp.sum(after, axis=-2), before - after
+    return S[0], S[1], d[0], d[1]
 
 
 def _cumulative(coef, r, s):
@@ -125,8 +130,7 @@ class Fast(AbstractIntegrator):
         h, tau, r, offsets = setup.h, setup.tau, setup.r, setup.offsets
         n = N.shape[0]
         dtype = N.dtype
-        a_prev, b_prev, a_cur, b_cur = _arc_pieces(scn, tk, tau, r, h, xprev, xcur)
-        coef = _inflow(a_prev, b_prev, a_cur, b_cur)
+        coef = _inflow(*_arc_pieces(scn, tk, tau, r, h, xprev, xcur))
         A = lambda t: _cumulative(coef, r, t)  # noqa: E731
         total = A(jnp.full((n,), h, dtype))
         rate = scaled_rate(scn.service, c)
