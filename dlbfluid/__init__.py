@@ -88,6 +88,7 @@ if TYPE_CHECKING:
     from ._service import AbstractServiceModel as AbstractServiceModel
     from ._service import ServiceModel as ServiceModel
     from ._service import Softplus as Softplus
+    from ._simulate import LAYOUTS as LAYOUTS
     from ._simulate import Accurate as Accurate
     from ._simulate import Fast as Fast
     from ._simulate import SimState as SimState

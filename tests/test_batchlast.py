@@ -1,0 +1,128 @@
+"""`vmap_last` against `jax.vmap` (a catalogue of the primitives it rewrites and one it
+hands back to vmap), and `simulate(layout="batch-last")` against the default layout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_scenario
+
+import dlbfluid as dl
+from dlbfluid import _batchlast
+from dlbfluid._batchlast import vmap_last
+from dlbfluid._elementary import exp_neg, log1p_unit
+
+B = 5
+rng = np.random.default_rng(7)
+X = jnp.asarray(rng.normal(size=(B, 4, 3)))  # per scenario (4, 3)
+V = jnp.asarray(rng.normal(size=(B, 3)))  # per scenario (3,)
+IDX = jnp.asarray(rng.integers(-1, 5, size=(B, 2, 3)))  # some out of range on purpose
+K = jnp.asarray(2)  # unbatched
+W = jnp.asarray(rng.normal(size=(4, 3)))  # unbatched matrix
+
+
+def _last(a):
+    return jnp.moveaxis(a, 0, -1)
+
+
+def _check(f):
+    """f(x, v, idx, k, w) per scenario: vmap_last on batch-last arrays equals jax.vmap, to
+    the last bit or two (the loops vectorise over another axis: XLA may contract a
+    multiply-add or vectorise a transcendental in one layout and not the other)."""
+    want = jax.vmap(f, in_axes=(0, 0, 0, None, None))(X, V, IDX, K, W)
+    got = vmap_last(f, (True, True, True, False, False))(_last(X), _last(V), _last(IDX), K, W)
+    jax.tree_util.tree_map(
+        lambda w, g: np.testing.assert_allclose(
+            np.moveaxis(np.asarray(g), -1, 0), np.asarray(w), rtol=1e-15, atol=1e-15
+        ),
+        want,
+        got,
+    )
+
+
+CATALOGUE = {
+    # elementwise, with a scalar, an unbatched operand and lax's size-1 broadcasting
+    "elementwise": lambda x, v, i, k, w: jnp.where(x > 0, x * v[None, :] - w, jnp.exp(x)) / 3.0,
+    "size1": lambda x, v, i, k, w: x[:1, :] - x[:, :1],
+    "scalar_per_scenario": lambda x, v, i, k, w: x * jnp.sum(v),
+    "integer_and_bits": lambda x, v, i, k, w: (i & 3) + (i >> 1) * k,
+    "elementary": lambda x, v, i, k, w: log1p_unit(exp_neg(-jnp.abs(x))),  # bitcasts
+    "reductions": lambda x, v, i, k, w: (
+        jnp.sum(x, axis=0), jnp.max(x, axis=1), jnp.argmax(x, axis=0), jnp.all(x > -3.0)
+    ),
+    "cumsum_sort": lambda x, v, i, k, w: (jnp.cumsum(x, axis=0), jnp.sort(x, axis=0)),
+    "shapes": lambda x, v, i, k, w: (x.T, x.reshape(2, 6), x[1:3, ::2], x[::-1]),
+    "stack_concat_pad": lambda x, v, i, k, w: (
+        jnp.stack([x, w]), jnp.concatenate([x, w], axis=1), jnp.pad(x, ((1, 0), (0, 2)))
+    ),
+    "dynamic_slices": lambda x, v, i, k, w: (
+        jax.lax.dynamic_slice_in_dim(x, k, 2, axis=0),
+        jax.lax.dynamic_update_index_in_dim(x, v, k, 0),
+        x.at[k].set(v),  # a scatter at an unbatched index
+    ),
+    "point_gather": lambda x, v, i, k, w: x[i & 3, jnp.arange(3)[None, :]],
+    "point_gather_unbatched_operand": lambda x, v, i, k, w: w[i & 3, jnp.arange(3)[None, :]],
+    "point_gather_fill": lambda x, v, i, k, w: x.at[i, 1].get(mode="fill", fill_value=-7.0),
+    "point_gather_clip": lambda x, v, i, k, w: x.at[i, 2].get(mode="clip"),
+    "take_along_axis": lambda x, v, i, k, w: jnp.take_along_axis(x, (i & 3)[:1], axis=0),
+    "slice_gather": lambda x, v, i, k, w: jax.vmap(
+        lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, 2)
+    )(x.T, (i[0] & 1)),
+    "nested_jit_custom_jvp": lambda x, v, i, k, w: jax.jit(jax.nn.relu)(x) + jax.nn.softplus(v)[None],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CATALOGUE))
+def test_vmap_last_matches_vmap(name):
+    _check(CATALOGUE[name])
+
+
+def test_fallback_is_vmap():
+    """A primitive without a batch-last rule (a while loop) is batched by jax.vmap, and is
+    counted."""
+
+    def f(x, v, i, k, w):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 0.5 + v), (0, v))[1]
+
+    before = _batchlast.FALLBACKS.get("while", 0)
+    _check(f)
+    assert _batchlast.FALLBACKS.get("while", 0) == before + 1
+
+
+def _batch(n_batch=3, n=3):
+    r = np.random.default_rng(11)
+    return dl.stack_scenarios(
+        [dl.scenario_from_dict(random_scenario(r, n, max_tau=0.03)) for _ in range(n_batch)]
+    )
+
+
+@pytest.mark.parametrize("policy", ["flow-grad", "disc-lat", "flow-rif", "rand", "mnlb"])
+def test_simulate_batch_last_equals_batch_first(policy):
+    """The same arithmetic in either layout: float64 workloads, routings and totals to
+    rounding, statuses equal."""
+    scn = _batch()
+    kw = dict(tick=0.01, horizon=0.4, n_save=4)
+    a = dl.simulate(scn, policy, **kw)
+    _batchlast.FALLBACKS.clear()
+    b = dl.simulate(scn, policy, layout="batch-last", **kw)
+    np.testing.assert_array_equal(np.asarray(a.status), np.asarray(b.status))
+    assert np.all(np.asarray(a.status) == 0)
+    for field in ("N", "x", "arrivals", "departures", "in_flight", "workload_integral"):
+        got, want = np.asarray(getattr(b, field)), np.asarray(getattr(a, field))
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13, err_msg=field)
+    if policy == "flow-grad":
+        # the rings are read by the flat point gather, not by vmap's transposing gather
+        assert "gather" not in _batchlast.FALLBACKS and "scatter" not in _batchlast.FALLBACKS
+
+
+def test_simulate_batch_last_float32():
+    scn = _batch()
+    kw = dict(tick=0.01, horizon=0.4, n_save=2, dtype=jnp.float32)
+    a = dl.simulate(scn, "flow-grad", **kw)
+    b = dl.simulate(scn, "flow-grad", layout="batch-last", chunk=2, **kw)  # two chunks
+    np.testing.assert_allclose(np.asarray(b.N), np.asarray(a.N), rtol=1e-5, atol=1e-5)
+
+
+def test_layout_is_checked():
+    with pytest.raises(ValueError, match=r"layout = 'sideways' is invalid: allowed batch-first"):
+        dl.simulate(_batch(), "rand", tick=0.01, horizon=0.1, n_save=1, layout="sideways")
