@@ -188,6 +188,11 @@ def parse_args(argv=None):
         default=0.1,
         help="fraction of the batch in the float64 comparison (0.1)",
     )
+    p.add_argument(
+        "--layout",
+        default="batch-first",
+        help="simulate(layout=...): batch-first (default) or batch-last",
+    )
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
 
@@ -206,6 +211,8 @@ def parse_args(argv=None):
                 )
     if a.dtype not in ("float32", "float64"):
         p.error(f"--dtype {a.dtype!r}: allowed float32, float64")
+    if a.layout not in dl.LAYOUTS:
+        p.error(f"--layout {a.layout!r}: allowed " + ", ".join(dl.LAYOUTS))
     if a.f64 not in ("chunk", "off"):
         p.error(f"--f64 {a.f64!r}: allowed chunk, off")
     if not (0 < a.f64_batch_fraction <= 1):
@@ -302,6 +309,7 @@ def call(batch, policy, integ, dtype, ticks, args):
         n_save=args.n_save,
         integrator=integ,
         dtype=dtype,
+        layout=args.layout,
     )
     jax.block_until_ready(sol.N)
     wall = time.perf_counter() - t0
@@ -620,6 +628,7 @@ def main(argv=None):
         "device_kind": jax.devices()[0].device_kind,
         "backend": jax.default_backend(),
         "dtype": args.dtype,
+        "layout": args.layout,
         "jax_version": jax.__version__,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),

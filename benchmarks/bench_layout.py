@@ -1,0 +1,132 @@
+"""`simulate(layout=...)`: the batch axis first (`jax.vmap`) against last (`vmap_last`),
+float64 and float32, timed in one process and interleaved.
+
+App.-B scenarios (`bench_simulate.appb_batch`, 600-s profiles), tick 5 ms, `Fast()`, one
+policy (default flow-grad). Each of the four configurations (layout x dtype) is compiled
+first (`first_call_s`), then `--rounds` rounds call each configuration once in turn, so
+that a drift of the machine's speed (the other core's load, the clock) falls on all four
+alike; `us_per_scenario_tick` is the best round, `median_us` the median. `N_max_rel_diff`
+is the largest difference of the saved workloads between the layouts, per dtype, relative
+to 1 + |N| (the arithmetic is the same; only rounding may differ).
+
+One JSON object goes to stdout (and to `--out`). Run, e.g.:
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_layout.py \
+        --out benchmarks/results/layout_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_simulate import appb_batch, check_out  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cells", type=int, default=10)
+    p.add_argument("--batch", type=int, default=1000)
+    p.add_argument("--ticks", type=int, default=200, help="ticks per call (default 200)")
+    p.add_argument("--policy", default="flow-grad")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    a = p.parse_args(argv)
+    for name in ("cells", "batch", "ticks", "rounds"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} = {getattr(a, name)} is invalid: expected an integer >= 1")
+    check_out(p, a.out)
+    return a
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import jax
+    import numpy as np
+
+    import dlbfluid as dl
+
+    dl.use_cpu_cores()
+    scn = appb_batch(args.cells, args.batch, horizon=600.0)
+    h = 0.005
+    configs = [(lay, dt) for dt in ("float64", "float32") for lay in dl.LAYOUTS]
+
+    def call(lay, dt):
+        t = time.perf_counter()
+        sol = dl.simulate(
+            scn, args.policy, tick=h, horizon=args.ticks * h, n_save=4, dtype=dt, layout=lay
+        )
+        jax.block_until_ready(sol.N)
+        return time.perf_counter() - t, sol
+
+    first, walls, N = {}, {c: [] for c in configs}, {}
+    for c in configs:
+        first[c], sol = call(*c)
+        N[c] = np.asarray(sol.N, np.float64)
+        if not bool(np.all(np.asarray(sol.status) == 0)):
+            raise SystemExit(f"{c}: a scenario did not succeed")
+    for _ in range(args.rounds):
+        for c in configs:
+            walls[c].append(call(*c)[0])
+    scale = 1e6 / (args.batch * args.ticks)
+    rows = []
+    for lay, dt in configs:
+        w = np.asarray(walls[(lay, dt)])
+        rows.append(
+            dict(
+                layout=lay,
+                dtype=dt,
+                us_per_scenario_tick=float(w.min() * scale),
+                median_us=float(np.median(w) * scale),
+                first_call_s=first[(lay, dt)],
+            )
+        )
+    us = {(r["layout"], r["dtype"]): r["us_per_scenario_tick"] for r in rows}
+    diff = {
+        dt: float(
+            np.max(
+                np.abs(N[("batch-last", dt)] - N[("batch-first", dt)])
+                / (1.0 + np.abs(N[("batch-first", dt)]))
+            )
+        )
+        for dt in ("float64", "float32")
+    }
+    out = dict(
+        benchmark="layout",
+        machine=dict(
+            platform=platform.platform(),
+            cpu_count=os.cpu_count(),
+            devices=[str(d) for d in jax.devices()],
+            jax=jax.__version__,
+        ),
+        cells=args.cells,
+        batch=args.batch,
+        ticks=args.ticks,
+        tick_s=h,
+        policy=args.policy,
+        rounds=args.rounds,
+        results=rows,
+        N_max_rel_diff=diff,
+        float32_over_float64=dict(
+            batch_first=us[("batch-first", "float64")] / us[("batch-first", "float32")],
+            batch_last=us[("batch-last", "float64")] / us[("batch-last", "float32")],
+            best=min(us[(lay, "float64")] for lay in dl.LAYOUTS)
+            / min(us[(lay, "float32")] for lay in dl.LAYOUTS),
+        ),
+    )
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
