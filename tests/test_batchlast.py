@@ -1,6 +1,7 @@
 """`vmap_last` against `jax.vmap` (a catalogue of the primitives it rewrites and one it
 hands back to vmap), and `simulate(layout="batch-last")` against the default layout."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,6 +122,24 @@ def test_simulate_batch_last_float32():
     a = dl.simulate(scn, "flow-grad", **kw)
     b = dl.simulate(scn, "flow-grad", layout="batch-last", chunk=2, **kw)  # two chunks
     np.testing.assert_allclose(np.asarray(b.N), np.asarray(a.N), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_last_failure_is_a_status():
+    """A poisoned scenario (NaN base latency, validation bypassed) ends `nonfinite` with
+    finite, frozen values in the batch-last loop too (which checks the observations'
+    finiteness from their ring slot), equal to the batch-first run; the others succeed."""
+    good = _batch(2)
+    lat = good.service.params["base_latency"]
+    bad = eqx.tree_at(
+        lambda s: s.service.params["base_latency"], good, lat.at[1, 0].set(jnp.nan)
+    )
+    kw = dict(step_size=0.3, tick=0.01, horizon=0.4, n_save=4)
+    a = dl.simulate(bad, "flow-lat", **kw)
+    b = dl.simulate(bad, "flow-lat", layout="batch-last", **kw)
+    assert b.status_names().tolist() == ["success", "nonfinite"]
+    assert a.status_names().tolist() == b.status_names().tolist()
+    assert np.all(np.isfinite(np.asarray(b.N)))
+    np.testing.assert_allclose(np.asarray(b.N), np.asarray(a.N), rtol=1e-13, atol=1e-13)
 
 
 def test_layout_is_checked():
