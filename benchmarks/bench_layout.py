@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     for c in configs:
         first[c], sol = call(*c)
         N[c] = np.asarray(sol.N, np.float64)
-        if not bool(np.all(np.asarray(sol.status) == 0)):
+        if not bool(np.all(np.asarray(sol.status) == dl.STATUS["success"])):
             raise SystemExit(f"{c}: a scenario did not succeed")
     for _ in range(args.rounds):
         for c in configs:

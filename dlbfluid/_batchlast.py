@@ -1,5 +1,5 @@
 """`vmap_last`: a function of one scenario applied to a batch whose axis is the *last* one
-of every batched array (theory/discretisation.md, *Batch-last tick*).
+of every batched array (theory/discretisation.md, *Batch axis last*).
 
 `jax.vmap` puts the batch axis first: a 10-cell scenario's `(n, n)` arrays become
 `(B, n, n)`, whose innermost axis has ten elements, too few for the CPU's vector lanes
@@ -14,9 +14,9 @@ where a shape is named (`broadcast_in_dim`, `reshape`, `slice`, ...). A gather o
 elements (`x[i, j]` with index arrays: the routing and observation rings) reads the flat
 array at `index * B + b`, with no transposition. Any other primitive is batched by
 `jax.vmap` with `in_axes=-1`, `out_axes=-1`: always correct, at the price of the
-transpositions `vmap` may add. The results equal `jax.vmap`'s up to the rounding of
-reassociated reductions (none are reassociated here: an axis reduced in one layout is
-reduced in the other).
+transpositions `vmap` may add. Every operation is the one `jax.vmap` would do; a result
+can still differ from `jax.vmap`'s in the last bit or two, where XLA vectorises a
+transcendental or contracts a multiply-add in one layout and not the other.
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ _CALLS = {
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
+
+
+def _as_list(prim, res) -> list:
+    """The outputs of `prim.bind` as a list, whether it has one result or several."""
+    return list(res) if prim.multiple_results else [res]
+
 
 FALLBACKS: dict[str, int] = {}
 """How often each primitive was batched by `jax.vmap` (the fallback) since import."""
@@ -87,9 +93,9 @@ def _point_gather(eqn, vals, flags, B):
     out_shape = eqn.outvars[0].aval.shape
     idx = _full(idx, bidx, idx_shape, B)  # (..., r, B)
     lin = jnp.zeros(out_shape + (B,), idx.dtype)
-    inside = jnp.ones(out_shape + (B,), bool)
     strides = np.cumprod((1,) + shape[::-1])[::-1][1:]
     fill = p["mode"] == lax.GatherScatterMode.FILL_OR_DROP
+    inside = jnp.ones(out_shape + (B,), bool) if fill else None
     for k, axis in enumerate(dn.start_index_map):
         c = idx[..., k, :]
         if fill:
@@ -161,8 +167,7 @@ def _apply(eqn, vals, flags, B):
         args = [_full(v, f, shape, B) for v, f in zip(vals, flags)]
         return [prim.bind(*args, **params)], [True]
     if name in _REDUCE or name in _CUMULATIVE or name in ("squeeze", "rev", "split"):
-        res = prim.bind(vals[0], **params)
-        res = list(res) if prim.multiple_results else [res]
+        res = _as_list(prim, prim.bind(vals[0], **params))
         return res, [True] * len(res)
     if name == "broadcast_in_dim":
         params.update(
@@ -229,8 +234,7 @@ def _apply(eqn, vals, flags, B):
         out_axes=-1,
         axis_size=B,
     )
-    res = fn(*vals)
-    res = list(res) if prim.multiple_results else [res]
+    res = _as_list(prim, fn(*vals))
     return res, [True] * len(res)
 
 
@@ -251,8 +255,7 @@ def _eval(jaxpr, consts, args, flags, B):
         if any(fl):
             outs, oflags = _apply(eqn, list(vals), list(fl), B)
         else:
-            res = eqn.primitive.bind(*vals, **eqn.params)
-            outs = list(res) if eqn.primitive.multiple_results else [res]
+            outs = _as_list(eqn.primitive, eqn.primitive.bind(*vals, **eqn.params))
             oflags = [False] * len(outs)
         for v, o, f in zip(eqn.outvars, outs, oflags):
             if not isinstance(v, jcore.DropVar):

@@ -631,8 +631,8 @@ def simulate(
       `CPU_CHUNK_BATCH_LAST` on a CPU). The same arithmetic in either (N equal to
       rounding); speed only. On the 2-core CPU of benchmarks/README.md, *Batch axis
       last*, float32 runs 1.14-1.36x faster batch-last from 5 to 10 cells (1.67x
-      float64 at 10) and slower at 20; float64 3% faster at 5 cells and slower from 10. Batches whose scenarios have
-      different tick counts run batch-first.
+      float64 at 10) and slower at 20; float64 3% faster at 5 cells and slower from 10.
+      Batches whose scenarios have different tick counts run batch-first.
 
     **Returns:** a `Solution`; unbatched when the inputs are.
     """
