@@ -8,9 +8,9 @@ from reference import simplex_projection
 import dlbfluid as dl
 
 
-@pytest.mark.parametrize("method", ["sort", "pairwise"])
+@pytest.mark.parametrize("method", ["network", "sort", "pairwise"])
 def test_projection_kkt(method):
-    """Pi(v) on a masked simplex, by either method: feasible, and v - Pi(v) = theta on the
+    """Pi(v) on a masked simplex, by every method: feasible, and v - Pi(v) = theta on the
     support and <= theta off it (the KKT conditions of min ||z - v||^2); equals the numpy
     reference. A quarter of the rows carry exact ties (the pairwise method's tie groups)."""
     rng = np.random.default_rng(1)
@@ -30,9 +30,63 @@ def test_projection_kkt(method):
         np.testing.assert_allclose(z[row], simplex_projection(v[row], mask[row]), atol=1e-12)
 
 
-def test_projection_empty_row_is_zero():
-    z = dl.project_simplex(jnp.ones((2, 3)), jnp.array([[False] * 3, [True, False, True]]))
-    np.testing.assert_allclose(z, [[0, 0, 0], [0.5, 0, 0.5]])
+@pytest.mark.parametrize("method", ["network", "sort", "pairwise"])
+def test_projection_empty_row_is_zero(method):
+    mask = jnp.array([[False] * 3, [True, False, True]])
+    z = dl.project_simplex(jnp.ones((2, 3)), mask, method=method)
+    np.testing.assert_array_equal(z, [[0, 0, 0], [0.5, 0, 0.5]])
+
+
+def test_sorting_network_sorts():
+    """`sorting_network(n)` sorts every 0-1 input for n <= 14 (so, by the 0-1 principle,
+    every input), and random inputs with ties up to 40; its sizes are Batcher's (0, 1, 3,
+    5, 9, 12, 16, 19, 28, 32 comparators for n = 1..10)."""
+    from dlbfluid._projection import sorting_network
+
+    def run(n, a):
+        a = a.copy()
+        for i, j in sorting_network(n):
+            a[:, i], a[:, j] = np.maximum(a[:, i], a[:, j]), np.minimum(a[:, i], a[:, j])
+        return a
+
+    assert [len(sorting_network(n)) for n in range(1, 11)] == [0, 1, 3, 5, 9, 12, 16, 19, 28, 32]
+    for n in range(1, 15):
+        bits = (np.arange(2**n)[:, None] >> np.arange(n)) & 1
+        out = run(n, bits)
+        assert np.all(np.diff(out, axis=1) <= 0), n
+    rng = np.random.default_rng(3)
+    for n in range(15, 41):
+        a = rng.integers(0, 5, size=(300, n)).astype(float) + rng.normal(size=(300, n)) * (n % 2)
+        np.testing.assert_array_equal(run(n, a), -np.sort(-a, axis=1))
+    assert all(i < j for n in range(1, 41) for i, j in sorting_network(n))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 10, 20, 32, 33])
+def test_projection_methods_agree(n):
+    """The network (the default up to 32 entries), the pairwise sums and the sort give the
+    same projection, to 4 ulps of the entries, for every row width the routers use;
+    "auto" past 32 is the sort. Rows mix single allowed entries, ties and wide ranges."""
+    rng = np.random.default_rng(n)
+    v = rng.normal(scale=rng.choice([0.01, 1.0, 100.0], size=(400, 1)), size=(400, n))
+    v[::5, : n // 2] = v[::5, :1]
+    mask = rng.random((400, n)) < 0.6
+    mask[::7] = False
+    mask[::7, rng.integers(n)] = True
+    mask[::11] = False
+    z = {
+        m: np.asarray(dl.project_simplex(jnp.asarray(v), jnp.asarray(mask), method=m))
+        for m in ("network", "pairwise", "sort", "auto")
+    }
+    scale = 4 * np.finfo(np.float64).eps * np.maximum(1.0, np.abs(v).max(axis=1, keepdims=True))
+    for m in ("pairwise", "sort"):
+        assert np.all(np.abs(z["network"] - z[m]) <= scale), m
+    np.testing.assert_array_equal(z["auto"], z["network" if n <= 32 else "sort"])
+    np.testing.assert_array_equal(z["network"][::11], 0.0)
+
+
+def test_projection_bad_method():
+    with pytest.raises(ValueError, match="method = 'heap' is invalid: allowed 'auto', 'network'"):
+        dl.project_simplex(jnp.ones(3), jnp.ones(3, bool), method="heap")
 
 
 def test_discrete_update_and_ties():
