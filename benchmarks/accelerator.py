@@ -190,8 +190,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--layout",
-        default="batch-first",
-        help="simulate(layout=...): batch-first (default) or batch-last",
+        default="auto",
+        help="simulate(layout=...): auto (default: simulate's default_layout, batch-last only"
+        " for float32 on a CPU), batch-first or batch-last",
     )
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
@@ -211,8 +212,8 @@ def parse_args(argv=None):
                 )
     if a.dtype not in ("float32", "float64"):
         p.error(f"--dtype {a.dtype!r}: allowed float32, float64")
-    if a.layout not in dl.LAYOUTS:
-        p.error(f"--layout {a.layout!r}: allowed " + ", ".join(dl.LAYOUTS))
+    if a.layout not in ("auto",) + dl.LAYOUTS:
+        p.error(f"--layout {a.layout!r}: allowed auto, " + ", ".join(dl.LAYOUTS))
     if a.f64 not in ("chunk", "off"):
         p.error(f"--f64 {a.f64!r}: allowed chunk, off")
     if not (0 < a.f64_batch_fraction <= 1):
@@ -309,7 +310,7 @@ def call(batch, policy, integ, dtype, ticks, args):
         n_save=args.n_save,
         integrator=integ,
         dtype=dtype,
-        layout=args.layout,
+        layout=None if args.layout == "auto" else args.layout,
     )
     jax.block_until_ready(sol.N)
     wall = time.perf_counter() - t0

@@ -73,7 +73,7 @@ from helpers import random_scenario  # noqa: E402
 from reference import reference_simulate  # noqa: E402
 
 import dlbfluid as dl  # noqa: E402
-from dlbfluid._projection import sorting_network  # noqa: E402
+from dlbfluid._projection import NETWORK_MAX, sorting_network  # noqa: E402
 
 POLICY = "flow-grad"
 
@@ -526,22 +526,27 @@ def ops_per_tick(n: int, substeps: int, window: int) -> dict:
     * the routers' demand this tick (12 per profile piece and cell), the mass in flight
       (4 per arc) and the next tick's arrival window (about 8 per breakpoint and cell);
     * flow-grad: the marginal cost per arc (about 20 plus the exponential and log1p: the
-      latency, its slope, the product), the step (3 per arc), the simplex projection by a
-      sorting network (per router: a mask per entry, a maximum and a minimum per
-      comparator of `sorting_network(n)`, and about 8 per prefix: the sum, the candidate,
-      two compares, three selects) and its threshold (4 per arc);
+      latency, its slope, the product), the step (3 per arc), the simplex projection (up to
+      16 cells by a sorting network, per router: a mask per entry, a maximum and a minimum
+      per comparator of `sorting_network(n)`, and about 8 per prefix: the sum, the
+      candidate, two compares, three selects; beyond, by pairwise comparisons, about 5 n^2
+      per router: compare, mask, select, two sums) and its threshold (4 per arc);
     * bookkeeping: finiteness and sign checks, ring writes, totals (about 6 per arc).
     """
     n2, M, W = n * n, substeps, max(window - 1, 1)
     elementary = 30 + 35  # exp_neg and log1p_unit as plain arithmetic
     query = 5 * n + 6
+    if n <= NETWORK_MAX:
+        projection = n + 2 * len(sorting_network(n)) + 8 * n
+    else:
+        projection = 5 * n2
     parts = {
         "inflow_pieces": n2 * (2 * 12 * W + 2 * 4 * W + 12),
         "cumulative_inflow": 4 * n2 + 2 * M * n * query + n2 * query,
         "service_and_stages": M * n * (4 * (14 + elementary) + 30),
         "observations": n2 * 16 * M,
         "demand_flight_window": n * 12 * W + 4 * n2 + 8 * n * window,
-        "policy": n2 * (20 + elementary + 3 + 4) + n * (n + 2 * len(sorting_network(n)) + 8 * n),
+        "policy": n2 * (20 + elementary + 3 + 4) + n * projection,
         "bookkeeping": 6 * n2,
     }
     return dict(parts, total=int(sum(parts.values())))

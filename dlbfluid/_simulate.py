@@ -512,6 +512,33 @@ axis there, and longer vectors pay until about this length (App.-B, 10 cells, fl
 devices, 1,000 scenarios: 3.16, 2.71, 2.99 us per scenario-tick at 32, 128, 256)."""
 
 
+LAST_MAX_CELLS = 16
+"""The most cells for which `default_layout` puts a float32 batch's axis last."""
+
+
+def default_layout(dtype, n_cells: int, share: int, integrator: AbstractIntegrator) -> str:
+    """The layout of `simulate(layout=None)`: `"batch-last"` for a float32 batch on a CPU
+    with the `Fast` integrator, at most `LAST_MAX_CELLS` (16) cells and a device share of at
+    least `CPU_CHUNK_BATCH_LAST` (128) scenarios; `"batch-first"` otherwise.
+
+    Measured on App.-B batches of 1,000, 5 ms, flow-grad, two CPU devices, microseconds per
+    scenario-tick batch-first against batch-last: float32 0.28 / 0.23 at 2 cells, 0.80 /
+    0.49 at 5, 2.23 / 1.65 at 10, 7.86 / 4.76 at 16, 11.5 / 12.7 at 20; float64 0.30 /
+    0.25, 0.85 / 0.75, 3.05 / 3.08, 6.68 / 10.6, 14.7 / 25.3 (benchmarks/README.md, *Batch
+    axis last*). So float64 stays batch-first, where it is never much slower; a smaller
+    share leaves too few scenarios for the vector lanes; `Accurate` and accelerators are
+    not measured batch-last."""
+    if (
+        jax.default_backend() == "cpu"
+        and jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+        and n_cells <= LAST_MAX_CELLS
+        and share >= CPU_CHUNK_BATCH_LAST
+        and isinstance(integrator, Fast)
+    ):
+        return "batch-last"
+    return "batch-first"
+
+
 def default_chunk(n_cells: int) -> int | None:
     """The scenarios a device advances together by default (`simulate(chunk=None)`).
 
@@ -625,14 +652,14 @@ def simulate(
       on a CPU as many as keep a tick in cache, for a share of at least four chunks;
       elsewhere the whole share). It changes the
       speed only: a scenario's arithmetic does not depend on its chunk.
-    - `layout`: where the batch axis lies in the tick loop: `"batch-first"` (`None`, the
-      default: `jax.vmap`) or `"batch-last"` (`vmap_last`: every elementwise loop runs
-      over the scenarios of a chunk, which fill the vector lanes; chunks of
-      `CPU_CHUNK_BATCH_LAST` on a CPU). The same arithmetic in either (N equal to
-      rounding); speed only. On the 2-core CPU of benchmarks/README.md, *Batch axis
-      last*, float32 runs 1.14-1.36x faster batch-last from 5 to 10 cells (1.67x
-      float64 at 10) and slower at 20; float64 3% faster at 5 cells and slower from 10.
-      Batches whose scenarios have different tick counts run batch-first.
+    - `layout`: where the batch axis lies in the tick loop: `"batch-first"` (`jax.vmap`),
+      `"batch-last"` (`vmap_last`: every elementwise loop runs over the scenarios of a
+      chunk, which fill the vector lanes; chunks of `CPU_CHUNK_BATCH_LAST` on a CPU), or
+      `None` (default) for `default_layout`'s choice: batch-last for float32 on a CPU
+      with `Fast`, up to 16 cells and from 128 scenarios per device, where it runs 1.2-1.6x
+      faster than batch-first; batch-first otherwise. The same arithmetic in either (N
+      equal to rounding); speed only. Batches whose scenarios have different tick counts
+      run batch-first.
 
     **Returns:** a `Solution`; unbatched when the inputs are.
     """
@@ -652,8 +679,7 @@ def simulate(
         )
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
         raise ValueError(f"chunk = {chunk!r} is invalid: expected an integer >= 1 or None")
-    layout = "batch-first" if layout is None else layout
-    if layout not in LAYOUTS:
+    if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout = {layout!r} is invalid: allowed {', '.join(LAYOUTS)} or None")
     dtype = jnp.dtype(jnp.float64 if dtype is None else dtype)
     if dtype not in (jnp.dtype(jnp.float64), jnp.dtype(jnp.float32)):
@@ -742,6 +768,11 @@ def simulate(
     integrator = integrator.for_batch(scn, float(h_b.max())).prepared(dtype)
     looped = pol if error_aversion is None else ErrorAverse(pol, error_aversion)
     share = (Bb + pad) // ndev
+    uniform = bool(np.all(save_ticks == save_ticks[:1]))
+    if layout is None:
+        layout = default_layout(dtype, n, share, integrator)
+    if not uniform:
+        layout = "batch-first"  # per-scenario tick counts: the vmapped loop's batched bounds
     chunk = _chosen_chunk(chunk, n, share, layout)
     # (the progress callback runs once per save interval of every chunk on every device)
     chunks = _chunk_count(share, chunk)
@@ -749,7 +780,7 @@ def simulate(
     scn_a, eta_a, h_a, _, st_a = args
     static = dict(
         hist=hist,
-        uniform=bool(np.all(save_ticks == save_ticks[:1])),
+        uniform=uniform,
         progress=prog,
         # Only a policy that precomputes a schedule depends on the horizon at trace time.
         horizon=T if looped.uses_horizon else None,

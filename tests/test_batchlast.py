@@ -9,7 +9,7 @@ import pytest
 from helpers import random_scenario
 
 import dlbfluid as dl
-from dlbfluid import _batchlast
+from dlbfluid import _batchlast, _simulate
 from dlbfluid._batchlast import vmap_last
 from dlbfluid._elementary import exp_neg, log1p_unit
 
@@ -145,3 +145,42 @@ def test_batch_last_failure_is_a_status():
 def test_layout_is_checked():
     with pytest.raises(ValueError, match=r"layout = 'sideways' is invalid: allowed batch-first"):
         dl.simulate(_batch(), "rand", tick=0.01, horizon=0.1, n_save=1, layout="sideways")
+
+
+def test_default_layout_rules():
+    """`layout=None` puts the batch last for float32 on a CPU with `Fast`, up to 16 cells,
+    from 128 scenarios per device; anything else stays batch-first."""
+    default_layout = _simulate.default_layout
+    assert jax.default_backend() == "cpu"
+    f32, f64 = jnp.float32, jnp.float64
+    assert default_layout(f32, 10, 500, dl.Fast()) == "batch-last"
+    assert default_layout(f32, 16, 128, dl.Fast(2)) == "batch-last"
+    assert default_layout(f64, 10, 500, dl.Fast()) == "batch-first"
+    assert default_layout(f32, 17, 500, dl.Fast()) == "batch-first"
+    assert default_layout(f32, 10, 127, dl.Fast()) == "batch-first"
+    assert default_layout(f32, 10, 500, dl.Accurate()) == "batch-first"
+
+
+def test_default_layout_is_used(monkeypatch):
+    """`simulate` without a layout runs the layout `default_layout` names (here with the
+    share threshold lowered to 2 scenarios): float32 batch-last, equal to the bit to an
+    explicit `layout="batch-last"` run and to batch-first within float32's rounding;
+    float64 batch-first."""
+    monkeypatch.setattr(_simulate, "CPU_CHUNK_BATCH_LAST", 2)
+    chosen = []
+    real = _simulate._chosen_chunk
+
+    def spy(chunk, n, share, layout="batch-first"):
+        chosen.append(layout)
+        return real(chunk, n, share, layout)
+
+    monkeypatch.setattr(_simulate, "_chosen_chunk", spy)
+    scn = _batch()
+    kw = dict(tick=0.01, horizon=0.4, n_save=2)
+    got = dl.simulate(scn, "flow-grad", dtype=jnp.float32, **kw)
+    last = dl.simulate(scn, "flow-grad", dtype=jnp.float32, layout="batch-last", **kw)
+    first = dl.simulate(scn, "flow-grad", dtype=jnp.float32, layout="batch-first", **kw)
+    dl.simulate(scn, "flow-grad", **kw)
+    assert chosen == ["batch-last", "batch-last", "batch-first", "batch-first"]
+    np.testing.assert_array_equal(np.asarray(got.N), np.asarray(last.N))
+    np.testing.assert_allclose(np.asarray(got.N), np.asarray(first.N), rtol=1e-5, atol=1e-5)
