@@ -2,8 +2,9 @@
 float64 and float32, timed in one process and interleaved.
 
 App.-B scenarios (`bench_simulate.appb_batch`, 600-s profiles), tick 5 ms, `Fast()`, one
-policy (default flow-grad). Each of the four configurations (layout x dtype) is compiled
-first (`first_call_s`), then `--rounds` rounds call each configuration once in turn, so
+policy (default flow-grad), `--n-save` save intervals per call (default 4). Each of the
+four configurations (layout x dtype) is compiled first (`first_call_s`), then `--rounds`
+rounds call each configuration once in turn, so
 that a drift of the machine's speed (the other core's load, the clock) falls on all four
 alike; `us_per_scenario_tick` is the best round, `median_us` the median. `N_max_rel_diff`
 is the largest difference of the saved workloads between the layouts, per dtype, relative
@@ -36,12 +37,16 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1000)
     p.add_argument("--ticks", type=int, default=200, help="ticks per call (default 200)")
     p.add_argument("--policy", default="flow-grad")
+    p.add_argument("--n-save", type=int, default=4, help="save intervals per call (default 4)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
-    for name in ("cells", "batch", "ticks", "rounds"):
+    for name in ("cells", "batch", "ticks", "rounds", "n_save"):
         if getattr(a, name) < 1:
-            p.error(f"--{name} = {getattr(a, name)} is invalid: expected an integer >= 1")
+            flag = name.replace("_", "-")
+            p.error(f"--{flag} = {getattr(a, name)} is invalid: expected an integer >= 1")
+    if a.n_save > a.ticks:
+        p.error(f"--n-save = {a.n_save} is invalid: expected at most --ticks = {a.ticks}")
     check_out(p, a.out)
     return a
 
@@ -61,7 +66,13 @@ def main(argv=None) -> dict:
     def call(lay, dt):
         t = time.perf_counter()
         sol = dl.simulate(
-            scn, args.policy, tick=h, horizon=args.ticks * h, n_save=4, dtype=dt, layout=lay
+            scn,
+            args.policy,
+            tick=h,
+            horizon=args.ticks * h,
+            n_save=args.n_save,
+            dtype=dt,
+            layout=lay,
         )
         jax.block_until_ready(sol.N)
         return time.perf_counter() - t, sol
@@ -108,6 +119,7 @@ def main(argv=None) -> dict:
         ),
         cells=args.cells,
         batch=args.batch,
+        n_save=args.n_save,
         ticks=args.ticks,
         tick_s=h,
         policy=args.policy,

@@ -577,19 +577,33 @@ def _time_appb(batch, args, dtype, ticks: int, chunk=None):
     return first, comp, wall, walls, sol
 
 
-def _chunk_arg(label: str, B: int, n: int):
+def _chunk_arg(label: str, B: int, n: int, dtype=jnp.float64, ticks_per_save: int = 1):
     """(`simulate(chunk=)` for a `--chunks` label, the chunk size it means: None for the
-    whole batch, '?' where this tree has no `default_chunk`)."""
+    whole batch, '?' where this tree has no `default_chunk`; the layout `simulate` runs,
+    `default_layout`'s choice, "batch-first" where this tree has none)."""
+    share = -(-B // jax.local_device_count())
+    try:
+        from dlbfluid._simulate import default_layout
+
+        layout = default_layout(dtype, n, share, dl.Fast(), ticks_per_save)
+    except ImportError:
+        layout = "batch-first"
     if label == "whole":
-        return B, None
+        return B, None, layout
     if label != "default":
-        return int(label), min(int(label), B)
+        return int(label), min(int(label), B), layout
+    try:
+        from dlbfluid._simulate import _chosen_chunk
+
+        return None, _chosen_chunk(None, n, share, layout), layout
+    except ImportError:
+        pass
     try:
         from dlbfluid._simulate import default_chunk
     except ImportError:
-        return None, "?"
+        return None, "?", layout
     size = default_chunk(n)
-    return None, None if size is None or size >= B else size
+    return None, None if size is None or size >= B else size, layout
 
 
 def _slope(xs, ys) -> float:
@@ -645,7 +659,7 @@ def main_appb(args):
             dtype = getattr(jnp, d)
             for B, label in [(B, c) for B in args.batches for c in args.chunks]:
                 batch = jax.tree_util.tree_map(lambda a: a[:B] if eqx.is_array(a) else a, full)
-                chunk, size = _chunk_arg(label, B, n)
+                chunk, size, layout = _chunk_arg(label, B, n, dtype, K // 4)
                 first, comp, wall, walls, sol = _time_appb(batch, args, dtype, K, chunk)
                 n_ok = int(np.sum(np.asarray(sol.status) == dl.STATUS["success"]))
                 sps = B * K / wall
@@ -655,6 +669,7 @@ def main_appb(args):
                     "dtype": d,
                     "chunk": label,
                     "chunk_size": size,
+                    "layout": layout,
                     "substeps": M,
                     "compile_s": comp,
                     "first_call_s": first,
@@ -670,7 +685,8 @@ def main_appb(args):
                 }
                 results.append(res)
                 log(
-                    f"[appb n={n} B={B} {d} M={M} chunk={label}:{res['chunk_size']}] compile {comp:.1f}s wall {wall:.3f}s "
+                    f"[appb n={n} B={B} {d} M={M} chunk={label}:{res['chunk_size']} {layout}] "
+                    f"compile {comp:.1f}s wall {wall:.3f}s "
                     f"{sps:.4g} scenario-ticks/s ({1e6 / sps:.2f} us), "
                     f"{ops['total']} ops/tick, {100 * res['fraction_of_peak']:.2f}% of peak, "
                     f"{n_ok}/{B} ok"
@@ -731,14 +747,15 @@ def main_appb(args):
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
-    hdr = f"{'cells':>5} {'batch':>6} {'dtype':>8} {'chunk':>12} {'M':>2} {'compile_s':>9} "
+    hdr = f"{'cells':>5} {'batch':>6} {'dtype':>8} {'chunk':>12} {'layout':>11} {'M':>2} "
+    hdr += f"{'compile_s':>9} "
     hdr += f"{'us/tick':>8} "
     hdr += f"{'ticks/s':>10} {'ops/tick':>9} {'%peak':>6}"
     lines = [hdr, "-" * len(hdr)]
     for r in results:
         lines.append(
             f"{r['n_cells']:>5} {r['batch']:>6} {r['dtype']:>8} "
-            f"{r['chunk'] + ':' + str(r['chunk_size']):>12} {r['substeps']:>2} "
+            f"{r['chunk'] + ':' + str(r['chunk_size']):>12} {r['layout']:>11} {r['substeps']:>2} "
             f"{r['compile_s']:>9.1f} {r['us_per_scenario_tick']:>8.2f} "
             f"{r['scenario_ticks_per_s']:>10.4g} {r['ops_per_scenario_tick']:>9} "
             f"{100 * r['fraction_of_peak']:>6.2f}"

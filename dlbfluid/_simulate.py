@@ -355,15 +355,30 @@ def _record(scn, setup: TickSetup, state: SimState, k):
     t64 = k.astype(jnp.float64) * h.astype(jnp.float64)
     t = t64.astype(dtype)
     # F(t_k) = sum_ij int_{t_k - tau_ij}^{t_k} lambda_i(s) x_ij(s) ds over the past ticks,
-    # in time relative to t_k (see `_tick`).
-    back = (jnp.arange(hist - 1) + 1).astype(dtype)[:, None, None]  # ticks before t_k
-    lo = jnp.maximum(-back * h, -tau[None])
-    hi = jnp.maximum((1.0 - back) * h, lo)
-    q = k - 1 - jnp.arange(hist - 1)
+    # in time relative to t_k (see `_tick`). The tick s ticks back, [-s h, (1 - s) h],
+    # lies wholly inside arc ij's delay when s h <= tau_ij: its integral is the source's
+    # alone, one per source and tick; the one tick with (s - 1) h < tau_ij < s h counts
+    # from -tau_ij, one integral per arc.
+    n_back = hist - 1
+    back = (jnp.arange(n_back) + 1).astype(dtype)[:, None, None]  # ticks before t_k
+    xq = state.x_ring[(k - 1 - jnp.arange(n_back)) & (hist - 1)]  # (hist - 1, n, n)
     # The state's arrival window is that of tick k, relative to t_k, and covers
     # [t_k - max tau, t_k + h]: the integrals need [t_k - max tau, t_k].
     loc = state.window.local(scn)
-    flight = jnp.sum(state.x_ring[q & (hist - 1)] * arc_integrals(loc, lo, hi))
+    n = tau.shape[-1]
+    whole = back * h <= tau[None]
+    lam = arc_integrals(
+        loc,
+        jnp.broadcast_to(-back * h, (n_back, n, 1)),
+        jnp.broadcast_to((1.0 - back) * h, (n_back, n, 1)),
+    )
+    part = ((back - 1.0) * h < tau[None]) & jnp.logical_not(whole)
+    x_part = jnp.sum(jnp.where(part, xq, 0.0), axis=0)
+    hi_part = jnp.sum(jnp.where(part, (1.0 - back) * h, 0.0), axis=0)
+    lo_part = jnp.where(jnp.any(part, axis=0), -tau, 0.0)
+    flight = jnp.sum(jnp.where(whole, xq, 0.0) * lam) + jnp.sum(
+        x_part * arc_integrals(loc, lo_part, jnp.maximum(hi_part, lo_part))
+    )
     tot = jax.tree_util.tree_map(lambda a: a.astype(dtype), state.totals)
     return dict(
         t=t,
@@ -428,6 +443,16 @@ def _chunked(run, chunk: int | None):
     return call
 
 
+def _batch_last(tree):
+    """Every leaf's leading (batch) axis moved last."""
+    return jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 0, -1), tree)
+
+
+def _batch_first(tree):
+    """Every leaf's last (batch) axis moved first."""
+    return jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, -1, 0), tree)
+
+
 def _simulate_batch_impl(
     scn,
     eta,
@@ -445,22 +470,29 @@ def _simulate_batch_impl(
     layout="batch-first",
 ):
     kw = dict(policy=policy, integrator=integrator, window=window)
-    if uniform and layout == "batch-last":
+    rec = jax.vmap(_record)
+    last = uniform and layout == "batch-last"
+    if last:
         # The batch axis last in the loop (`vmap_last`; theory/discretisation.md, *Batch
-        # axis last*): moved there once per save interval, not per tick.
+        # axis last*): the scenario, set-up, policy arrays and state move there once per
+        # chunk, and only the records move back at every save. The observations'
+        # finiteness is read from their ring slot: otherwise XLA computes them again
+        # inside the check's reduction over cells, a strided loop in this layout (App.-B,
+        # 10 cells, 2 devices: float32 1.94 -> 1.73 us per scenario-tick, float64 3.16 ->
+        # 3.04; batch-first it costs float32 7%, so the vmapped loop keeps the direct
+        # check).
+        tick = vmap_last(functools.partial(_tick, slot=True, **kw), (True, True, True, False, True))
+        rec_last = vmap_last(_record, (True, True, True, False))
+
         def run(scn, setup, state, k0, k1, aux):
-            # The observations' finiteness is read from their ring slot: otherwise XLA
-            # computes them again inside the check's reduction over cells, a strided loop in
-            # this layout (App.-B, 10 cells, 2 devices: float32 1.94 -> 1.73 us per
-            # scenario-tick, float64 3.16 -> 3.04; batch-first it costs float32 7%, so the
-            # vmapped loop keeps the direct check).
-            tick = vmap_last(
-                functools.partial(_tick, slot=True, **kw), (True, True, True, False, True)
+            return jax.lax.fori_loop(
+                k0[0], k1[0], lambda k, st: tick(scn, setup, st, k, aux), state
             )
-            last = functools.partial(jax.tree_util.tree_map, lambda a: jnp.moveaxis(a, 0, -1))
-            s, g, x = last((scn, setup, aux))
-            state = jax.lax.fori_loop(k0[0], k1[0], lambda k, st: tick(s, g, st, k, x), last(state))
-            return jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, -1, 0), state)
+
+        def rec_loop(scn, setup, state, k):
+            # Every scenario saves at the same tick: one ring slot per past tick for all.
+            return _batch_first(rec_last(scn, setup, state, k[0]))
+
     elif uniform:
         # Every scenario has the same ticks: the tick loop runs outside the vmap on scalar
         # bounds. (With batched bounds, vmap turns the loop into one whose carry, ring
@@ -470,28 +502,38 @@ def _simulate_batch_impl(
             return jax.lax.fori_loop(
                 k0[0], k1[0], lambda k, st: tick(scn, setup, st, k, aux), state
             )
+
+        rec_one = jax.vmap(_record, in_axes=(0, 0, 0, None))
+
+        def rec_loop(scn, setup, state, k):
+            return rec_one(scn, setup, state, k[0])
+
     else:
         run = jax.vmap(lambda s, g, st, a, b, x: _run_ticks(s, g, st, a, b, x, **kw))
-    rec = jax.vmap(_record)
+        rec_loop = rec
 
     def whole_run(scn, eta, h, save_ticks):
         # A chunk (or the whole share) from its set-up to its last save: its state stays
-        # in one place for the whole run, however often it saves.
+        # in one place (and layout) for the whole run, however often it saves.
         setup = jax.vmap(lambda s, e, hh: _setup(s, e, hh, hist))(scn, eta, h)
         aux = jax.vmap(lambda s, hh: policy.prepare(s, hh, horizon))(scn, h)
         init = functools.partial(_init_state, policy=policy, width=window)
         state0 = jax.vmap(init)(scn, setup, aux)
+        first = rec(scn, setup, state0, save_ticks[:, 0])
+        loop_in = _batch_last((scn, setup, aux, state0)) if last else (scn, setup, aux, state0)
+        scn_l, setup_l, aux_l, state_l = loop_in
 
         def segment(state, ks):
             k0, k1 = ks
-            state = run(scn, setup, state, k0, k1, aux)
+            state = run(scn_l, setup_l, state, k0, k1, aux_l)
             if progress is not None:
                 jax.debug.callback(progress, jnp.max(k1), ordered=False)
-            return state, rec(scn, setup, state, k1)
+            return state, rec_loop(scn_l, setup_l, state, k1)
 
         pairs = jnp.stack([save_ticks[:, :-1].T, save_ticks[:, 1:].T], axis=1)  # (S, 2, B)
-        state, recs = jax.lax.scan(segment, state0, pairs)
-        first = rec(scn, setup, state0, save_ticks[:, 0])
+        state, recs = jax.lax.scan(segment, state_l, pairs)
+        if last:
+            state = _batch_first(state)
         recs = jax.tree_util.tree_map(
             lambda a, b: jnp.concatenate([a[None], b]).swapaxes(0, 1), first, recs
         )
@@ -514,12 +556,17 @@ devices, 1,000 scenarios: 3.16, 2.71, 2.99 us per scenario-tick at 32, 128, 256)
 
 LAST_MAX_CELLS = 16
 """The most cells for which `default_layout` puts a float32 batch's axis last."""
+LAST_MIN_TICKS_PER_SAVE = 4
+"""The fewest ticks per save interval for which `default_layout` puts the batch axis last."""
 
 
-def default_layout(dtype, n_cells: int, share: int, integrator: AbstractIntegrator) -> str:
+def default_layout(
+    dtype, n_cells: int, share: int, integrator: AbstractIntegrator, ticks_per_save: int
+) -> str:
     """The layout of `simulate(layout=None)`: `"batch-last"` for a float32 batch on a CPU
-    with the `Fast` integrator, at most `LAST_MAX_CELLS` (16) cells and a device share of at
-    least `CPU_CHUNK_BATCH_LAST` (128) scenarios; `"batch-first"` otherwise.
+    with the `Fast` integrator, at most `LAST_MAX_CELLS` (16) cells, a device share of at
+    least `CPU_CHUNK_BATCH_LAST` (128) scenarios and at least `LAST_MIN_TICKS_PER_SAVE` (4)
+    ticks per save interval; `"batch-first"` otherwise.
 
     Measured on App.-B batches of 1,000, 5 ms, flow-grad, two CPU devices, microseconds per
     scenario-tick batch-first against batch-last: float32 0.28 / 0.23 at 2 cells, 0.80 /
@@ -527,9 +574,13 @@ def default_layout(dtype, n_cells: int, share: int, integrator: AbstractIntegrat
     0.25, 0.85 / 0.75, 3.05 / 3.08, 6.68 / 10.6, 14.7 / 25.3 (benchmarks/README.md, *Batch
     axis last*). So float64 stays batch-first, where it is never much slower; a smaller
     share leaves too few scenarios for the vector lanes; `Accurate` and accelerators are
-    not measured batch-last."""
+    not measured batch-last. A save costs more batch-last: 10 cells, 1,000 scenarios, 400
+    ticks, float32 batch-first against batch-last, 2.34 / 1.64 us per scenario-tick with 4
+    saves, 2.60 / 1.85 with 20, 3.06 / 2.65 with 100 (4 ticks per save), 5.26 / 6.44 with
+    400 (a save every tick)."""
     if (
-        jax.default_backend() == "cpu"
+        ticks_per_save >= LAST_MIN_TICKS_PER_SAVE
+        and jax.default_backend() == "cpu"
         and jnp.dtype(dtype) == jnp.dtype(jnp.float32)
         and n_cells <= LAST_MAX_CELLS
         and share >= CPU_CHUNK_BATCH_LAST
@@ -656,8 +707,8 @@ def simulate(
       `"batch-last"` (`vmap_last`: every elementwise loop runs over the scenarios of a
       chunk, which fill the vector lanes; chunks of `CPU_CHUNK_BATCH_LAST` on a CPU), or
       `None` (default) for `default_layout`'s choice: batch-last for float32 on a CPU
-      with `Fast`, up to 16 cells and from 128 scenarios per device, where it runs 1.2-1.6x
-      faster than batch-first; batch-first otherwise. The same arithmetic in either (N
+      with `Fast`, up to 16 cells, from 128 scenarios per device and 4 ticks per save,
+      where it runs 1.2-1.6x faster than batch-first; batch-first otherwise. The same arithmetic in either (N
       equal to rounding); speed only. Batches whose scenarios have different tick counts
       run batch-first.
 
@@ -770,7 +821,7 @@ def simulate(
     share = (Bb + pad) // ndev
     uniform = bool(np.all(save_ticks == save_ticks[:1]))
     if layout is None:
-        layout = default_layout(dtype, n, share, integrator)
+        layout = default_layout(dtype, n, share, integrator, int(K.min()) // n_save)
     if not uniform:
         layout = "batch-first"  # per-scenario tick counts: the vmapped loop's batched bounds
     chunk = _chosen_chunk(chunk, n, share, layout)
