@@ -32,7 +32,8 @@ the batches of `--never-skip` (default 1, 100, 1000: the target batch size is al
 `--appb` measures instead the paper's probe cadence against the machine's arithmetic floor
 (issue #11): App.-B scenarios from the seed's generator (`appb_batch`), tick 5 ms,
 `Fast()` with its default sub-steps, flow-grad, cells 2/5/10/20, batches 1/100/1000,
-float64 and float32. Per configuration it reports `scenario_ticks_per_s`,
+float64 and float32. Per configuration it reports the `layout` `simulate` ran
+(`default_layout`'s choice), `scenario_ticks_per_s`,
 `us_per_scenario_tick`, `ops_per_scenario_tick` (floating-point operations counted from
 the algorithm, `ops_per_tick`), the achieved operation rate and its fraction of the peak of
 a large matmul of the same dtype timed in the same run (`machine_peak`); then the measured
