@@ -472,41 +472,36 @@ def _simulate_batch_impl(
     kw = dict(policy=policy, integrator=integrator, window=window)
     rec = jax.vmap(_record)
     last = uniform and layout == "batch-last"
-    if last:
-        # The batch axis last in the loop (`vmap_last`; theory/discretisation.md, *Batch
-        # axis last*): the scenario, set-up, policy arrays and state move there once per
-        # chunk, and only the records move back at every save. The observations'
-        # finiteness is read from their ring slot: otherwise XLA computes them again
-        # inside the check's reduction over cells, a strided loop in this layout (App.-B,
-        # 10 cells, 2 devices: float32 1.94 -> 1.73 us per scenario-tick, float64 3.16 ->
-        # 3.04; batch-first it costs float32 7%, so the vmapped loop keeps the direct
-        # check).
-        tick = vmap_last(functools.partial(_tick, slot=True, **kw), (True, True, True, False, True))
-        rec_last = vmap_last(_record, (True, True, True, False))
-
-        def run(scn, setup, state, k0, k1, aux):
-            return jax.lax.fori_loop(
-                k0[0], k1[0], lambda k, st: tick(scn, setup, st, k, aux), state
-            )
-
-        def rec_loop(scn, setup, state, k):
-            # Every scenario saves at the same tick: one ring slot per past tick for all.
-            return _batch_first(rec_last(scn, setup, state, k[0]))
-
-    elif uniform:
+    if uniform:
         # Every scenario has the same ticks: the tick loop runs outside the vmap on scalar
         # bounds. (With batched bounds, vmap turns the loop into one whose carry, ring
-        # buffers included, is selected element by element on every pass.)
-        def run(scn, setup, state, k0, k1, aux):
+        # buffers included, is selected element by element on every pass.) Every scenario
+        # also saves at the same tick: one ring slot per past tick for all.
+        if last:
+            # The batch axis last in the loop (`vmap_last`; theory/discretisation.md,
+            # *Batch axis last*): the scenario, set-up, policy arrays and state move there
+            # once per chunk, and only the records move back at every save. The
+            # observations' finiteness is read from their ring slot: otherwise XLA
+            # computes them again inside the check's reduction over cells, a strided loop
+            # in this layout (App.-B, 10 cells, 2 devices: float32 1.94 -> 1.73 us per
+            # scenario-tick, float64 3.16 -> 3.04; batch-first it costs float32 7%, so the
+            # vmapped loop keeps the direct check).
+            tick = vmap_last(
+                functools.partial(_tick, slot=True, **kw), (True, True, True, False, True)
+            )
+            rec_at = vmap_last(_record, (True, True, True, False))
+        else:
             tick = jax.vmap(functools.partial(_tick, **kw), in_axes=(0, 0, 0, None, 0))
+            rec_at = jax.vmap(_record, in_axes=(0, 0, 0, None))
+
+        def run(scn, setup, state, k0, k1, aux):
             return jax.lax.fori_loop(
                 k0[0], k1[0], lambda k, st: tick(scn, setup, st, k, aux), state
             )
 
-        rec_one = jax.vmap(_record, in_axes=(0, 0, 0, None))
-
         def rec_loop(scn, setup, state, k):
-            return rec_one(scn, setup, state, k[0])
+            out = rec_at(scn, setup, state, k[0])
+            return _batch_first(out) if last else out
 
     else:
         run = jax.vmap(lambda s, g, st, a, b, x: _run_ticks(s, g, st, a, b, x, **kw))
@@ -708,9 +703,9 @@ def simulate(
       chunk, which fill the vector lanes; chunks of `CPU_CHUNK_BATCH_LAST` on a CPU), or
       `None` (default) for `default_layout`'s choice: batch-last for float32 on a CPU
       with `Fast`, up to 16 cells, from 128 scenarios per device and 4 ticks per save,
-      where it runs 1.2-1.6x faster than batch-first; batch-first otherwise. The same arithmetic in either (N
-      equal to rounding); speed only. Batches whose scenarios have different tick counts
-      run batch-first.
+      where it runs 1.2-1.6x faster than batch-first; batch-first otherwise. The same
+      arithmetic in either (N equal to rounding); speed only. Batches whose scenarios
+      have different tick counts run batch-first.
 
     **Returns:** a `Solution`; unbatched when the inputs are.
     """
