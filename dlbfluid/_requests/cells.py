@@ -1,0 +1,52 @@
+"""The cell family of the request-level twin: how a cell holds and serves its requests.
+
+A cell kind (`AbstractCells`) is a Module that holds the per-cell parameters of one
+scenario (arrays over the `n` cells) and a static slot capacity, and owns the state of
+every request present in every cell: the request's *origin*, the time from which its
+end-to-end latency is counted (its arrival at the root router less its one-way delay, so
+that latency = completion time - origin = $2\\tau_{ij}$ + sojourn).
+
+The event loop (`dlbfluid._requests.loop`) never asks which kind it holds: it reads the
+per-cell completion rates, admits a request to a cell, or completes one, through the four
+methods below. Every method acts on one cell `j` chosen by the loop (a traced index) and
+touches O(1) (markov) or O(servers) (servers) entries, never a whole slot array, so that
+an event costs the same whatever the capacity.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import equinox as eqx
+from jaxtyping import Array, Bool, Float, Int
+
+
+class AbstractCells(eqx.Module):
+    """A cell kind (module docstring). Concrete kinds are final."""
+
+    @abc.abstractmethod
+    def init(self, counts: Int[Array, " n"], dtype):
+        """The state with `counts[j]` requests present in cell `j` at $t = 0$ (origin 0),
+        and a flag that is True if they do not fit the slots."""
+
+    @abc.abstractmethod
+    def count(self, state) -> Int[Array, " n"]:
+        """Requests present in each cell."""
+
+    @abc.abstractmethod
+    def rates(self, state) -> Float[Array, " n"]:
+        """Total completion rate of each cell in the current state (requests/s)."""
+
+    @abc.abstractmethod
+    def utilisation(self, state) -> Float[Array, " n"]:
+        """Instantaneous utilisation of each cell in $[0, 1]$."""
+
+    @abc.abstractmethod
+    def admit(self, state, j, origin, ok: Bool[Array, ""]):
+        """`(state, overflow)`: request of origin `origin` placed in cell `j` if `ok`;
+        `overflow` is True (and the state unchanged) when `ok` but no slot is free."""
+
+    @abc.abstractmethod
+    def complete(self, state, j, u, ok: Bool[Array, ""]):
+        """`(state, origin)`: if `ok`, one request of cell `j` leaves (chosen by the kind's
+        discipline from the uniform `u` in [0, 1)) and its origin is returned."""

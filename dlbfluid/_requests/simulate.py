@@ -1,0 +1,350 @@
+"""`simulate_requests`: the batched driver of the request-level twin."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+from .._policies import AbstractPolicy, policy_from_name
+from .._results import RESULTS, view
+from .._scenario import Scenario
+from .._service.base import code as law_code
+from .._simulate import _hist_len, _setup
+from .histogram import LatencyHistogram
+from .loop import Trial, _batched, init_state, run_tick
+from .markov import MarkovCells
+from .servers import FifoServers
+from .solution import RequestSolution
+
+REQUEST_STATUS = view("success", "nonfinite", aliases={"overflow": "solver_failed"})
+"""The `RESULTS` codes of `simulate_requests`. An overflow of a fixed-size array (cell
+slots, server queues, arcs in flight) is reported as `solver_failed` (the solver's budget
+was too small; `RequestSolution.overflow` says which array, `raise_for_status` what to
+increase)."""
+
+SERVICES = ("markov", "servers")
+"""The cell kinds of `simulate_requests(service=...)`."""
+
+
+class _Config(eqx.Module):
+    """The static configuration of one compiled run (hashable)."""
+
+    service: str
+    tick: float
+    horizon: float
+    warmup: float
+    save_ticks: tuple[int, ...]
+    hist: int
+    slots: int
+    arc_slots: int
+    events: int
+    max_servers: int
+    histogram: LatencyHistogram
+
+
+def _bad(field: str, value, allowed: str) -> ValueError:
+    return ValueError(f"{field} = {value!r} is invalid: {allowed}")
+
+
+def _count(field: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise _bad(field, value, f"expected an integer >= {minimum}")
+    return int(value)
+
+
+def _pow2(x: float) -> int:
+    return 1 << max(int(math.ceil(x)) - 1, 1).bit_length()
+
+
+def _trial(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> Trial:
+    """What every trial of one scenario reads: delays, policy arrays, cells, scaled rates."""
+    dtype = scn.latency.dtype
+    h = jnp.asarray(cfg.tick, dtype)
+    mask = scn.cell_mask
+    buffer = jnp.where(jnp.isfinite(scn.buffer), jnp.floor(scale * scn.buffer), jnp.inf)
+    if cfg.service == "markov":
+        cells: MarkovCells | FifoServers = MarkovCells(scn.service, scale, cfg.slots)
+    else:
+        servers = jnp.where(mask, jnp.round(scn.replicas * scale), 0).astype(jnp.int32)
+        cells = FifoServers(
+            rate=scn.service.capacity / scn.replicas,
+            servers=servers,
+            max_servers=cfg.max_servers,
+            queue=cfg.slots,
+        )
+    return Trial(
+        scn=scn,
+        setup=_setup(scn, eta, h, cfg.hist),
+        aux=policy.prepare(scn, h, cfg.horizon),
+        policy=policy,
+        cells=cells,
+        scale=scale,
+        lam_max=jnp.where(mask, jnp.max(scn.arrival_rates, axis=-1), 0.0),
+        buffer=buffer.astype(dtype),
+        warmup=jnp.asarray(cfg.warmup, dtype),
+        arc_slots=cfg.arc_slots,
+        events=cfg.events,
+        histogram=cfg.histogram,
+    )
+
+
+def _outputs(tr: Trial, st, counts, cfg: _Config) -> dict:
+    """The statistics of one trial from its final state."""
+    window = cfg.horizon - cfg.warmup
+    s = st.stats
+    finite = jnp.isfinite(s.latency_sum) & jnp.all(jnp.isfinite(s.area))
+    status = jnp.where(
+        st.overflow != 0,
+        RESULTS.solver_failed,
+        jnp.where(finite, RESULTS.success, RESULTS.nonfinite),
+    )
+    return dict(
+        count=counts,
+        served=s.served,
+        latency_sum=s.latency_sum,
+        latency_sq=s.latency_sq,
+        histogram=s.histogram,
+        arrivals=s.arrivals,
+        drops=s.drops,
+        mean_requests=s.area / window,
+        utilisation=s.busy / window,
+        final_x=st.x,
+        status=status.astype(jnp.int32),
+        overflow=st.overflow,
+        events=st.events,
+    )
+
+
+@eqx.filter_jit
+def _run(scn, scale, eta, keys, policy, cfg):
+    """The batch: trials `(B,)` of the scenarios, states `(B, R)`, one tick loop for all
+    (`run_tick`), the counts saved at `cfg.save_ticks`."""
+    tr = jax.vmap(lambda s, k, e: _trial(s, k, e, policy=policy, cfg=cfg))(scn, scale, eta)
+    st = _batched(init_state)(tr, keys)
+    running = jnp.ones(keys.shape[:2], bool)
+    ticks = jnp.asarray(cfg.save_ticks, jnp.int32)
+    count = _batched(lambda t, s: t.cells.count(s.cells))
+
+    def segment(st, s):
+        st = jax.lax.fori_loop(ticks[s], ticks[s + 1], lambda k, x: run_tick(tr, k, x, running), st)
+        return st, count(tr, st)
+
+    count0 = count(tr, st)
+    st, counts = jax.lax.scan(segment, st, jnp.arange(len(cfg.save_ticks) - 1))
+    counts = jnp.concatenate([count0[:, :, None], jnp.moveaxis(counts, 0, 2)], axis=2)
+    return jax.vmap(
+        jax.vmap(lambda t, s, c: _outputs(t, s, c, cfg), in_axes=(None, 0, 0)),
+        in_axes=(0, 0, 0),
+    )(tr, st, counts)
+
+
+def simulate_requests(
+    scenario: Scenario,
+    policy: str | AbstractPolicy,
+    *,
+    service: str = "markov",
+    scale=1,
+    trials: int = 1,
+    seed: int = 0,
+    step_size=1.0,
+    tick: float = 0.005,
+    horizon: float = 10.0,
+    warmup: float = 0.0,
+    n_save: int = 100,
+    slots: int | None = None,
+    arc_slots: int | None = None,
+    events: int | None = None,
+    histogram: LatencyHistogram = LatencyHistogram(),
+    dtype=None,
+    throw: bool | None = None,
+) -> RequestSolution:
+    """Simulate the scenario request by request, batched over scenarios and trials.
+
+    Requests arrive at root router $i$ as a Poisson process of rate $k\\lambda_i(t)$, are
+    routed to cell $j$ with probability $x_{ij}$ (the policy's routing, updated every
+    `tick` from the request counts $N_j(t-\\tau_{ij})/k$, by the same policy objects as
+    `simulate`), reach $j$ after $\\tau_{ij}$, are served, and return after $\\tau_{ij}$:
+    latency $= 2\\tau_{ij} +$ sojourn. The event loop is exact (theory/requests.md;
+    `dlbfluid._requests.loop`).
+
+    **Arguments:**
+    - `scenario`: a `Scenario`, or a batch from `stack_scenarios` (leading axis `B`).
+      Replica schedules are not supported.
+    - `policy`: a registered policy name or an `AbstractPolicy` (`ErrorAverse` included).
+    - `service`: `"markov"` (default): cell $j$ with $N$ requests completes at rate
+      $k\\mu_j(N/k)$, each present request equally likely (`MarkovCells`); `"servers"`:
+      cell $j$ is $kk_j$ exponential FIFO servers of rate $\\bar\\mu_j/k_j$ each, a request
+      joining the least-loaded one (`FifoServers`; M/M/1 cells only).
+    - `scale`: $k$, a positive integer or one per scenario `(B,)`: arrival rates,
+      replicas and buffers times $k$, service $k\\mu_j(N/k)$. $N^k/k \\to$ the fluid $N$.
+    - `trials`: independent trials per scenario (each its own PRNG key from `seed`).
+    - `step_size`, `tick`, `horizon`, `n_save`: as in `simulate` (`tick` defaults to the
+      paper's 5 ms probe period); `horizon` must be a whole number of ticks.
+    - `warmup`: statistics count only $[$`warmup`$, T]$ (the saved counts cover all).
+    - `slots`: requests a cell can hold (`markov`), or each server's queue (`servers`);
+      default: the largest scaled buffer + 1 when every buffer is finite, else four times
+      the fluid workload at 95% of capacity, at least 64. `arc_slots`: requests in flight
+      per arc (default from the arrival rates and delays). `events`: events per tick
+      (default six standard deviations above the largest Poisson mean). Exceeding any of
+      them is a status, never a silent truncation.
+    - `histogram`: the latency bins of the percentiles (`LatencyHistogram`).
+    - `dtype`: `jnp.float64` (default) or `jnp.float32`.
+    - `throw`: raise on a failed scenario or trial; default True for one scenario.
+
+    **Returns:** a `RequestSolution` with axes `(B, trials)` (`(trials,)` for one scenario).
+
+    **Raises:** `ValueError` naming the argument, its value and what is allowed.
+    """
+    pol = policy_from_name(policy)
+    if service not in SERVICES:
+        raise _bad("service", service, f"allowed {', '.join(SERVICES)}")
+    if not isinstance(histogram, LatencyHistogram):
+        raise _bad("histogram", histogram, "expected a LatencyHistogram")
+    trials = _count("trials", trials)
+    seed = _count("seed", seed, 0)
+    dtype = jnp.dtype(jnp.float64 if dtype is None else dtype)
+    if dtype not in (jnp.dtype(jnp.float64), jnp.dtype(jnp.float32)):
+        raise _bad("dtype", str(dtype), "allowed float64 or float32")
+    if dtype == jnp.float64 and not jax.config.read("jax_enable_x64"):
+        raise ValueError("dtype = float64 needs jax_enable_x64 (dlbfluid enables it on import)")
+    if not isinstance(scenario, Scenario):
+        raise _bad("scenario", type(scenario).__name__, "expected a Scenario")
+    batched = len(scenario.batch_shape) == 1
+    if len(scenario.batch_shape) > 1:
+        raise _bad("scenario batch shape", scenario.batch_shape, "expected at most one axis")
+    scn = scenario.strip()
+    if not batched:
+        scn = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], scn)
+    B, n = scn.replicas.shape
+
+    k = np.asarray(scale)
+    if k.ndim > 1 or (k.ndim == 1 and k.shape[0] not in (1, B)):
+        raise _bad("scale", scale, f"expected a positive integer or one per scenario ({B},)")
+    if k.dtype == bool or not np.all(np.isfinite(k)) or np.any(k < 1) or np.any(k != np.round(k)):
+        raise _bad("scale", scale, "expected positive integers")
+    if k.ndim == 1 and not batched and k.shape[0] > 1:
+        B = k.shape[0]
+        scn = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (B,) + a.shape[1:]), scn)
+        batched = True
+    k_b = np.broadcast_to(k.astype(float), (B,)).copy()
+
+    h = tick
+    if isinstance(h, bool) or not isinstance(h, (int, float)) or not (0 < h < math.inf):
+        raise _bad("tick", tick, "expected a finite number > 0")
+    T = horizon
+    if isinstance(T, bool) or not isinstance(T, (int, float)) or not (0 < T < math.inf):
+        raise _bad("horizon", horizon, "expected a finite number > 0")
+    K = int(round(T / h))
+    if K < 1 or abs(K * h - T) > 1e-9 * max(T, 1.0):
+        raise _bad("horizon", horizon, f"expected a whole number of ticks (tick = {h})")
+    w = warmup
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 <= w < T):
+        raise _bad("warmup", warmup, f"expected a number in [0, horizon = {T})")
+    n_save = _count("n_save", n_save)
+    if n_save > K:
+        raise _bad("n_save", n_save, f"expected an integer in [1, {K}] (the number of ticks)")
+    eta = np.asarray(step_size, dtype=float)
+    if eta.ndim > 2 or (eta.ndim >= 1 and eta.shape[-1] not in (1, n)):
+        raise _bad("step_size", step_size, f"expected a scalar, (n,) = ({n},) or (B, n)")
+    if not np.all(np.isfinite(eta)) or np.any(eta < 0):
+        raise _bad("step_size", step_size, "expected finite values >= 0")
+    try:
+        eta_b = np.broadcast_to(eta, (B, n)).copy()
+    except ValueError:
+        raise _bad("step_size", step_size, f"expected a scalar, (n,) or ({B}, {n})") from None
+
+    mask = np.asarray(scn.cell_mask)
+    rc, reps = np.asarray(scn.replica_counts), np.asarray(scn.replicas)
+    if np.any(mask & np.any(rc != reps[..., None], axis=-1)):
+        raise _bad(
+            "scenario.replica_counts",
+            "a replica schedule",
+            "simulate_requests supports constant replica counts only",
+        )
+    buf = np.asarray(scn.buffer)
+    lam = np.asarray(scn.arrival_rates)
+    if not np.all(np.isfinite(lam)):
+        raise _bad("scenario.arrival_rates", "non-finite rates", "expected finite rates")
+    max_servers = 1
+    if service == "servers":
+        models = np.asarray(scn.service.model)
+        if np.any(mask & (models != law_code("mm1"))):
+            raise _bad(
+                "service",
+                service,
+                "'servers' needs M/M/1 cells (k_j exponential FIFO servers); the App.-B "
+                "prefill/decode server model is not implemented: use service='markov'",
+            )
+        count = reps * k_b[:, None]
+        if np.any(mask & (np.abs(count - np.round(count)) > 1e-9)):
+            raise _bad("scenario.replicas", reps.tolist(), "'servers' needs integer replicas")
+        max_servers = int(np.max(np.where(mask, np.round(count), 1)))
+
+    kmax = float(k_b.max())
+    if slots is None:
+        if np.all(np.isfinite(buf[mask])):
+            need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)))) + 1
+        else:
+            cap = jnp.asarray(np.asarray(scn.service.capacity))
+            work = np.asarray(scn.service.inverse_rate(0.95 * cap))
+            n0 = np.asarray(scn.initial_workload)
+            need = 4 * float(np.max(k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0)))
+            if service == "servers":
+                need = need / max(max_servers, 1)
+        slots = _pow2(max(64.0, need))
+    slots = _count("slots", slots)
+    tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
+    if arc_slots is None:
+        mean = kmax * float(np.max(lam)) * float(tau.max())
+        arc_slots = _pow2(32.0 + 4.0 * mean + 8.0 * math.sqrt(mean))
+    arc_slots = _count("arc_slots", arc_slots)
+    if events is None:
+        # Events of a tick: Poisson candidates of rate at most 2 k sum(lambda_max) (arrivals
+        # and deliveries) + k sum(capacity) (completions), plus the tick's end; six
+        # standard deviations above the mean.
+        caps = np.where(mask, np.asarray(scn.service.capacity), 0.0)
+        rate = np.max(k_b * (2.0 * np.where(mask, lam.max(-1), 0.0).sum(-1) + caps.sum(-1)))
+        m = float(rate) * h
+        events = _pow2(16.0 + m + 6.0 * math.sqrt(m))
+    events = _count("events", events)
+
+    save_ticks = tuple(int(s) for s in (np.arange(n_save + 1) * K) // n_save)
+    cfg = _Config(
+        service=service,
+        tick=float(h),
+        horizon=float(T),
+        warmup=float(w),
+        save_ticks=save_ticks,
+        hist=_hist_len(float(tau.max()) / h),
+        slots=slots,
+        arc_slots=arc_slots,
+        events=events,
+        max_servers=max_servers,
+        histogram=histogram,
+    )
+    scn = jax.tree_util.tree_map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
+    )
+    keys = jr.split(jr.PRNGKey(seed), B * trials).reshape(B, trials, -1)
+    out = _run(scn, jnp.asarray(k_b, dtype), jnp.asarray(eta_b, dtype), keys, pol, cfg)
+    per = dict(out, scale=jnp.asarray(k_b, dtype), cell_mask=jnp.asarray(mask))
+    if not batched:
+        per = {name: a[0] for name, a in per.items()}
+    sol = RequestSolution(
+        t=jnp.asarray(np.asarray(save_ticks) * h, dtype),
+        **per,
+        window=float(T - w),
+        histogram_bins=histogram,
+        policy=pol.name,
+        service=service,
+    )
+    if throw is None:
+        throw = not batched
+    if throw:
+        sol.raise_for_status()
+    return sol

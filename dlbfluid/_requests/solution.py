@@ -1,0 +1,154 @@
+"""The result of `simulate_requests`: per scenario and trial statistics and a status."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from .._results import RESULTS, raise_for_status, status_names
+from .histogram import LatencyHistogram
+from .loop import OVERFLOW_ARCS, OVERFLOW_CELLS, OVERFLOW_EVENTS
+
+
+class RequestSimulationError(RuntimeError):
+    """A scenario of a `throw=True` request-level simulation failed."""
+
+
+class RequestSolution(eqx.Module):
+    """Statistics of `simulate_requests`, per scenario (`B`) and trial (`R`): arrays have
+    leading axes `(B, R)` (`(R,)` for one scenario). Statistics count the window
+    $[t_w, T]$ after the `warmup` $t_w$; latencies are end-to-end, $2\\tau_{ij}$ plus the
+    sojourn in the cell, of the requests that completed in the window.
+
+    **Fields:**
+    - `t`: `(S+1,)` save times; `count`: `(..., S+1, n)` requests present in each cell
+      there (divide by `scale` for the fluid's units: `density`).
+    - `served`: completions; `latency_sum`, `latency_sq`: sums of their latencies and
+      squares (exact); `histogram`: `(..., bins + 2)` their log-spaced latency histogram
+      (`LatencyHistogram`: percentiles within `histogram_bins.resolution` relative).
+    - `arrivals`, `drops`: `(..., n)` requests that arrived at each root router, and that
+      each cell rejected (full buffer or overflow).
+    - `mean_requests`, `utilisation`: `(..., n)` time averages of each cell's request
+      count and utilisation over the window.
+    - `final_x`: `(..., n, n)` the routing at $T$.
+    - `status`: `RESULTS` code per scenario and trial (`REQUEST_STATUS`); `overflow`:
+      which fixed-size array overflowed (bits: 1 cell slots or server queues, 2 arcs,
+      4 events of a tick).
+    - `events`: event-loop iterations; `scale`: `(B,)` the scale $k$; `window`: $T - t_w$.
+    """
+
+    t: Float[Array, " S"]
+    count: Int[Array, "... S n"]
+    served: Int[Array, "..."]
+    latency_sum: Float[Array, "..."]
+    latency_sq: Float[Array, "..."]
+    histogram: Int[Array, "... bins"]
+    arrivals: Int[Array, "... n"]
+    drops: Int[Array, "... n"]
+    mean_requests: Float[Array, "... n"]
+    utilisation: Float[Array, "... n"]
+    final_x: Float[Array, "... n n"]
+    status: Int[Array, "..."]
+    overflow: Int[Array, "..."]
+    events: Int[Array, "..."]
+    scale: Float[Array, "..."]
+    cell_mask: Bool[Array, "... n"]
+    window: float = eqx.field(static=True)
+    histogram_bins: LatencyHistogram = eqx.field(static=True)
+    policy: str = eqx.field(static=True, default="")
+    service: str = eqx.field(static=True, default="markov")
+
+    def density(self):
+        """Saved counts divided by the scale $k$: $N^k/k$, the fluid's units."""
+        k = jnp.reshape(self.scale, self.scale.shape + (1,) * (self.count.ndim - self.scale.ndim))
+        return self.count / k
+
+    def mean_latency(self):
+        """Mean end-to-end latency of the served requests (exact), per trial."""
+        return self.latency_sum / jnp.maximum(self.served, 1)
+
+    def latency_std(self):
+        """Standard deviation of the served requests' latencies, per trial."""
+        m = self.mean_latency()
+        var = self.latency_sq / jnp.maximum(self.served, 1) - m * m
+        return jnp.sqrt(jnp.maximum(var, 0.0))
+
+    def percentile(self, q: float):
+        """The `q`-quantile ($0<q<1$) of the served requests' latencies per trial, from the
+        histogram (relative error below `histogram_bins.resolution`)."""
+        if not (isinstance(q, (int, float)) and 0.0 < q < 1.0):
+            raise ValueError(f"q = {q!r} is invalid: expected a number in (0, 1)")
+        return self.histogram_bins.percentile(self.histogram, float(q))
+
+    def error_rate(self):
+        """Rejected requests over requests arrived at the root routers, per trial."""
+        return jnp.sum(self.drops, -1) / jnp.maximum(jnp.sum(self.arrivals, -1), 1)
+
+    def status_names(self) -> np.ndarray:
+        """Per-scenario-and-trial status names (`RESULTS`)."""
+        return status_names(self.status)
+
+    def raise_for_status(self) -> None:
+        """Raise `RequestSimulationError` if any scenario or trial did not succeed."""
+        ov = np.asarray(self.overflow).reshape(-1)
+
+        def details(bad):
+            parts = []
+            if np.any(ov[bad] & OVERFLOW_CELLS):
+                parts.append("cell slots full: increase `slots` (or `queue` for servers)")
+            if np.any(ov[bad] & OVERFLOW_ARCS):
+                parts.append("an arc's requests in flight exceeded `arc_slots`: increase it")
+            if np.any(ov[bad] & OVERFLOW_EVENTS):
+                parts.append("a tick had more events than `events`: increase it")
+            return "; " + "; ".join(parts) if parts else ""
+
+        raise_for_status(
+            np.asarray(self.status).reshape(-1), RequestSimulationError, details=details
+        )
+
+    def summary(self) -> dict:
+        """JSON-shaped statistics of one scenario (index a batch first), pooled over its
+        trials: latency mean (over all served requests), p50/p90/p99 (of the pooled
+        histogram), their 90% intervals from the trials, error rate, served count and
+        per-cell means (theory/requests.md, *Outputs*)."""
+        if self.status.ndim != 1:
+            raise ValueError("summary() needs the trials of one scenario; index the batch")
+        R = self.status.shape[0]
+        n = int(np.asarray(self.cell_mask).reshape(-1, self.cell_mask.shape[-1])[0].sum())
+        pooled = jnp.sum(self.histogram, 0)
+        served = int(jnp.sum(self.served))
+        mean = float(jnp.sum(self.latency_sum)) / max(served, 1)
+        per_mean = np.asarray(self.mean_latency())
+        per_p90 = np.asarray(self.percentile(0.9))
+
+        def ci(v):
+            if R < 2:
+                return None
+            half = 1.6448536269514722 * float(np.std(v, ddof=1)) / np.sqrt(R)
+            return half
+
+        stat = np.asarray(self.status)
+        worst = int(stat[stat != RESULTS.success][0]) if np.any(stat != RESULTS.success) else 0
+        return {
+            "status": RESULTS.name(worst),
+            "trials": R,
+            "latency": {
+                "mean": mean,
+                **{
+                    f"p{int(q * 100)}": float(self.histogram_bins.percentile(pooled, q))
+                    for q in (0.5, 0.9, 0.99)
+                },
+            },
+            "latency_ci90": {"mean": ci(per_mean), "p90": ci(per_p90)},
+            "error_rate": float(jnp.sum(self.drops)) / max(float(jnp.sum(self.arrivals)), 1.0),
+            "served": served,
+            "cells": [
+                {
+                    "mean_requests": float(np.mean(np.asarray(self.mean_requests)[:, j])),
+                    "utilisation": float(np.mean(np.asarray(self.utilisation)[:, j])),
+                }
+                for j in range(n)
+            ],
+        }
