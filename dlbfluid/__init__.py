@@ -74,6 +74,8 @@ if TYPE_CHECKING:
     from ._registry import register_cost as register_cost
     from ._registry import register_policy as register_policy
     from ._registry import register_service_model as register_service_model
+    from ._requests import RequestSolution as RequestSolution
+    from ._requests import simulate_requests as simulate_requests
     from ._results import RESULTS as RESULTS
     from ._scenario import Scenario as Scenario
     from ._scenario import check_capacity as check_capacity
