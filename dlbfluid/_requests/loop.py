@@ -180,12 +180,12 @@ def _probe(tr: Trial, st: LoopState, k, local, at_end):
     lag = st.next_use - setup.m - 1
     due = tr.scn.allowed & ((lag < k) | ((lag == k) & ((local >= setup.offsets) | at_end)))
     seen = tr.cells.count(st.cells).astype(st.x.dtype) / tr.scale
-    idx = st.next_use & (setup.hist - 1)
+    # (the probes not due write past the ring and are dropped: no read of the old values)
+    idx = jnp.where(due, st.next_use & (setup.hist - 1), setup.hist)
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
     cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
-    old = st.obs_ring[idx, rows, cols]
-    new = jnp.where(due, jnp.broadcast_to(seen[None, :], (n, n)), old)
-    ring = st.obs_ring.at[idx, rows, cols].set(new)
+    new = jnp.broadcast_to(seen[None, :], (n, n))
+    ring = st.obs_ring.at[idx, rows, cols].set(new, mode="drop")
     return ring, st.next_use + due.astype(jnp.int32)
 
 
@@ -206,8 +206,8 @@ def _event(tr: Trial, k, t_end, st: LoopState):
 
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
     cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
-    due = st.fifo[rows, cols, st.head] + setup.tau
-    due = jnp.where(st.size > 0, due, jnp.inf)
+    heads = st.fifo[rows, cols, st.head]  # the one read of the rings per event
+    due = jnp.where(st.size > 0, heads + setup.tau, jnp.inf)
     a = jnp.argmin(due.reshape(-1))
     t_del = due.reshape(-1)[a]
 
@@ -225,7 +225,9 @@ def _event(tr: Trial, k, t_end, st: LoopState):
 
     is_del = ~stop & (t_del <= t_rand)
     is_rnd = ~stop & ~is_del
-    pick = jnp.minimum(jnp.searchsorted(cw, u[1] * total, side="right"), 2 * n - 1)
+    pick = jnp.minimum(
+        jnp.searchsorted(cw, u[1] * total, side="right", method="compare_all"), 2 * n - 1
+    )
     is_arr = is_rnd & (pick < n)
     is_cmp = is_rnd & (pick >= n)
     i = jnp.clip(pick, 0, n - 1)
@@ -236,28 +238,30 @@ def _event(tr: Trial, k, t_end, st: LoopState):
     accept = is_arr & (u[2] * tr.lam_max[i] < lam_i)
     xi = st.x[i]
     cx = jnp.cumsum(jnp.where(scn.allowed[i], jnp.maximum(xi, 0.0), 0.0))
-    ja = jnp.clip(jnp.searchsorted(cx, u[3] * cx[-1], side="right"), 0, n - 1)
+    ja = jnp.clip(jnp.searchsorted(cx, u[3] * cx[-1], side="right", method="compare_all"), 0, n - 1)
     tau_a = setup.tau[i, ja]
     direct = accept & (tau_a <= 0)
     push = accept & (tau_a > 0)
 
     # A delivery: the head of arc (id, jd) reaches its cell.
     i_d, j_d = a // n, a % n
-    born = st.fifo[i_d, j_d, st.head[i_d, j_d]]
+    born = heads.reshape(-1)[a]
 
     admit = direct | is_del
     j_in = jnp.where(is_del, j_d, ja)
     origin = jnp.where(is_del, born - setup.tau[i_d, j_d], t_new)
     reject = admit & (count[j_in].astype(dtype) >= tr.buffer[j_in])
-    cells, over_cell = tr.cells.admit(st.cells, j_in, origin, admit & ~reject)
-    cells, leaving = tr.cells.complete(cells, jc, u[4], is_cmp)
+    # An event admits or completes, never both; completing first lets every read of the
+    # cells' arrays come before any write, so that the writes stay in place in the loop.
+    cells, leaving = tr.cells.complete(st.cells, jc, u[4], is_cmp)
+    cells, over_cell = tr.cells.admit(cells, j_in, origin, admit & ~reject)
     latency = t_new - leaving
 
     slot_len = st.size[i, ja]
     arc_full = push & (slot_len >= F)
     do_push = push & ~arc_full
-    slot = (st.head[i, ja] + jnp.minimum(slot_len, F - 1)) % F
-    fifo = st.fifo.at[i, ja, slot].set(jnp.where(do_push, t_new, st.fifo[i, ja, slot]))
+    slot = jnp.where(do_push, (st.head[i, ja] + slot_len) % F, F)  # past the ring: dropped
+    fifo = st.fifo.at[i, ja, slot].set(t_new, mode="drop")
     size = st.size.at[i, ja].add(do_push.astype(jnp.int32))
     d = is_del.astype(jnp.int32)
     head = st.head.at[i_d, j_d].set((st.head[i_d, j_d] + d) % F)

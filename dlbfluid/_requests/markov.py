@@ -60,9 +60,10 @@ class MarkovCells(AbstractCells):
         c = state.count[j]
         full = c >= self.slots
         do = ok & ~full
-        slot = jnp.minimum(c, self.slots - 1)
-        old = state.origin[j, slot]
-        new_origin = state.origin.at[j, slot].set(jnp.where(do, origin, old))
+        # (an index past the slots drops the write: no read of the old value, so that the
+        # update stays in place inside the loop)
+        slot = jnp.where(do, c, self.slots)
+        new_origin = state.origin.at[j, slot].set(origin, mode="drop")
         return MarkovState(new_origin, state.count.at[j].add(do.astype(jnp.int32))), ok & full
 
     def complete(self, state, j, u, ok):
@@ -70,8 +71,8 @@ class MarkovCells(AbstractCells):
         do = ok & (c > 0)
         r = jnp.clip(jnp.floor(u * c).astype(jnp.int32), 0, jnp.maximum(c - 1, 0))
         last = jnp.maximum(c - 1, 0)
-        leaving = state.origin[j, r]
-        moved = state.origin[j, last]
-        new_origin = state.origin.at[j, r].set(jnp.where(do, moved, leaving))
+        # One gather for both reads: the write below depends on it, so it stays in place.
+        leaving, moved = state.origin[j, jnp.stack([r, last])]
+        new_origin = state.origin.at[j, jnp.where(do, r, self.slots)].set(moved, mode="drop")
         count = state.count.at[j].add(-do.astype(jnp.int32))
         return MarkovState(new_origin, count), leaving

@@ -74,8 +74,10 @@ class FifoServers(AbstractCells):
         full = (sizes[s] >= self.queue) | ~valid[s]
         do = ok & ~full
         slot = (state.head[j, s] + jnp.minimum(sizes[s], self.queue - 1)) % self.queue
-        old = state.origin[j, s, slot]
-        new_origin = state.origin.at[j, s, slot].set(jnp.where(do, origin, old))
+        # (an index past the ring drops the write, and reads nothing: the update stays in
+        # place inside the loop)
+        slot = jnp.where(do, slot, self.queue)
+        new_origin = state.origin.at[j, s, slot].set(origin, mode="drop")
         size = state.size.at[j, s].add(do.astype(jnp.int32))
         return ServersState(new_origin, state.head, size), ok & full
 
@@ -86,7 +88,7 @@ class FifoServers(AbstractCells):
         # The (floor(u nb))-th busy server, each busy server equally likely: all serve at
         # the same rate, so this is the competing-exponentials choice.
         m = jnp.minimum(jnp.floor(u * nb).astype(jnp.int32), jnp.maximum(nb - 1, 0))
-        s = jnp.searchsorted(jnp.cumsum(busy), m, side="right")
+        s = jnp.searchsorted(jnp.cumsum(busy), m, side="right", method="compare_all")
         s = jnp.minimum(s, self.max_servers - 1)
         h = state.head[j, s]
         leaving = state.origin[j, s, h]
