@@ -30,7 +30,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from .._arrivals import rate_at
 from .._policies import AbstractPolicy, Observation, TickSetup
@@ -73,10 +73,13 @@ class LoopState(eqx.Module):
     `(E, 5)` the current tick's block of uniforms, one row per event, `used` rows so far.
     **Cells:** `cells`, the cell kind's state (`AbstractCells`).
     **Network:** `fifo` `(n, n, F)` arrival times at the root of the requests in flight on
-    each arc, a ring from `head` `(n, n)` of length `size` `(n, n)`.
+    each arc, a ring from `head` `(n, n)` of length `size` `(n, n)`; `front` `(n, n)` the
+    arrival time of each ring's head (a copy, so that an event reads no ring to find the
+    next delivery).
     **Routers:** `x` `(n, n)` the routing in force; `policy_state`; `obs_ring`
-    `(hist, n, n)` probed counts$/k$ by the update index they serve; `next_use` `(n, n)`
-    the update index of each arc's next probe; `tick_arrivals`, `tick_drops` `(n,)` the
+    `(hist, n, n)` probed counts$/k$ by the update index they serve; `pending` `(n, n)`
+    the current tick's probes, `taken` which of them are taken (each arc probes once a
+    tick; they enter the ring at the tick's end); `tick_arrivals`, `tick_drops` `(n,)` the
     current tick's admissions and rejections per cell (divided by $k$ they are the
     fluid's `Observation.arrivals`/`drops`, read by error aversion).
     **Outputs:** `stats` (`Stats`), `overflow` (bits `OVERFLOW_CELLS | OVERFLOW_ARCS`),
@@ -91,10 +94,12 @@ class LoopState(eqx.Module):
     fifo: Float[Array, "n n F"]
     head: Int[Array, "n n"]
     size: Int[Array, "n n"]
+    front: Float[Array, "n n"]
     x: Float[Array, "n n"]
     policy_state: object
     obs_ring: Float[Array, "hist n n"]
-    next_use: Int[Array, "n n"]
+    pending: Float[Array, "n n"]
+    taken: Bool[Array, "n n"]
     tick_arrivals: Int[Array, " n"]
     tick_drops: Int[Array, " n"]
     stats: Stats
@@ -158,11 +163,13 @@ def init_state(tr: Trial, key) -> LoopState:
         fifo=jnp.zeros((n, n, tr.arc_slots), dtype),
         head=jnp.zeros((n, n), jnp.int32),
         size=jnp.zeros((n, n), jnp.int32),
+        front=jnp.full((n, n), jnp.inf, dtype),
         x=x0,
         policy_state=tr.policy.init_state(scn, setup, tr.aux, x0),
+        # Tick k's probe of arc (i, j) serves update k + m_ij + 1: updates 1..m_ij see N(0).
         obs_ring=jnp.broadcast_to(seen[None, None, :], (setup.hist, n, n)),
-        # The first probe of arc (i, j) serves update m_ij + 1 (earlier ones see N(0)).
-        next_use=setup.m + 1,
+        pending=jnp.zeros((n, n), dtype),
+        taken=jnp.zeros((n, n), bool),
         tick_arrivals=zi,
         tick_drops=zi,
         stats=stats,
@@ -171,22 +178,18 @@ def init_state(tr: Trial, key) -> LoopState:
     )
 
 
-def _probe(tr: Trial, st: LoopState, k, local, at_end):
-    """Take every probe due by the local time `local` of tick `k` from the current counts:
-    arc $(i,j)$'s probe for update $u$ lies in tick $u - m_{ij} - 1$ at offset
-    $h - r_{ij}$ (`TickSetup.offsets`), or at the tick's end (`at_end`)."""
-    setup = tr.setup
-    n = tr.scn.n_cells
-    lag = st.next_use - setup.m - 1
-    due = tr.scn.allowed & ((lag < k) | ((lag == k) & ((local >= setup.offsets) | at_end)))
+def _probe(tr: Trial, st: LoopState, local, at_end):
+    """Take the probes of the current tick due by its local time `local` from the current
+    counts: arc $(i,j)$ probes once a tick, at offset $h - r_{ij}$ (`TickSetup.offsets`;
+    the probe serves the update $m_{ij} + 1$ ticks later), or at the tick's end
+    (`at_end`). Elementwise over the arcs: no scatter."""
+    due = ~st.taken & ((local >= tr.setup.offsets) | at_end)
     seen = tr.cells.count(st.cells).astype(st.x.dtype) / tr.scale
-    # (the probes not due write past the ring and are dropped: no read of the old values)
-    idx = jnp.where(due, st.next_use & (setup.hist - 1), setup.hist)
-    rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
-    cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
-    new = jnp.broadcast_to(seen[None, :], (n, n))
-    ring = st.obs_ring.at[idx, rows, cols].set(new, mode="drop")
-    return ring, st.next_use + due.astype(jnp.int32)
+    return jnp.where(due, seen[None, :], st.pending), st.taken | due
+
+
+def _onehot(j, n: int):
+    return jnp.arange(n) == j
 
 
 def _event(tr: Trial, k, t_end, st: LoopState):
@@ -204,10 +207,7 @@ def _event(tr: Trial, k, t_end, st: LoopState):
     gap = -jnp.log1p(-u[0]) / total
     t_rand = jnp.where(total > 0, st.t + gap, jnp.inf)
 
-    rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
-    cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
-    heads = st.fifo[rows, cols, st.head]  # the one read of the rings per event
-    due = jnp.where(st.size > 0, heads + setup.tau, jnp.inf)
+    due = jnp.where(st.size > 0, st.front + setup.tau, jnp.inf)
     a = jnp.argmin(due.reshape(-1))
     t_del = due.reshape(-1)[a]
 
@@ -221,7 +221,7 @@ def _event(tr: Trial, k, t_end, st: LoopState):
     stats = st.stats
     area = stats.area + count.astype(dtype) * dt
     busy = stats.busy + tr.cells.utilisation(st.cells) * dt
-    ring, next_use = _probe(tr, st, k, t_new - k * setup.h, stop)
+    pending, taken = _probe(tr, st, t_new - k * setup.h, stop)
 
     is_del = ~stop & (t_del <= t_rand)
     is_rnd = ~stop & ~is_del
@@ -245,7 +245,7 @@ def _event(tr: Trial, k, t_end, st: LoopState):
 
     # A delivery: the head of arc (id, jd) reaches its cell.
     i_d, j_d = a // n, a % n
-    born = heads.reshape(-1)[a]
+    born = st.front.reshape(-1)[a]
 
     admit = direct | is_del
     j_in = jnp.where(is_del, j_d, ja)
@@ -262,10 +262,17 @@ def _event(tr: Trial, k, t_end, st: LoopState):
     do_push = push & ~arc_full
     slot = jnp.where(do_push, (st.head[i, ja] + slot_len) % F, F)  # past the ring: dropped
     fifo = st.fifo.at[i, ja, slot].set(t_new, mode="drop")
-    size = st.size.at[i, ja].add(do_push.astype(jnp.int32))
-    d = is_del.astype(jnp.int32)
-    head = st.head.at[i_d, j_d].set((st.head[i_d, j_d] + d) % F)
-    size = size.at[i_d, j_d].add(-d)
+    # A delivery pops its ring and reads the next head's arrival time, the one read of the
+    # rings, after the push (an event pushes or pops, never both), so that the write
+    # comes first and stays in place.
+    nxt = (st.head[i_d, j_d] + 1) % F
+    following = fifo[i_d, j_d, nxt]
+    at_push = _onehot(i, n)[:, None] & _onehot(ja, n)[None, :] & do_push
+    at_pop = _onehot(i_d, n)[:, None] & _onehot(j_d, n)[None, :] & is_del
+    size = st.size + at_push.astype(jnp.int32) - at_pop.astype(jnp.int32)
+    head = jnp.where(at_pop, nxt, st.head)
+    front = jnp.where(at_push & (st.size == 0), t_new, st.front)
+    front = jnp.where(at_pop, jnp.where(size > 0, following, jnp.inf), front)
 
     lost = reject | over_cell
     win = t_new >= tr.warmup
@@ -276,8 +283,8 @@ def _event(tr: Trial, k, t_end, st: LoopState):
         latency_sum=stats.latency_sum + jnp.where(served, latency, 0.0),
         latency_sq=stats.latency_sq + jnp.where(served, latency * latency, 0.0),
         histogram=stats.histogram.at[bin_].add(served.astype(jnp.int32)),
-        arrivals=stats.arrivals.at[i].add((accept & win).astype(jnp.int32)),
-        drops=stats.drops.at[j_in].add(((lost & win) | (arc_full & win)).astype(jnp.int32)),
+        arrivals=stats.arrivals + (_onehot(i, n) & accept & win).astype(jnp.int32),
+        drops=stats.drops + (_onehot(j_in, n) & (lost | arc_full) & win).astype(jnp.int32),
         area=area,
         busy=busy,
     )
@@ -295,14 +302,16 @@ def _event(tr: Trial, k, t_end, st: LoopState):
         used=st.used + (~stop).astype(jnp.int32),
         cells=cells,
         fifo=fifo,
+        front=front,
         head=head,
         size=size,
         x=st.x,
         policy_state=st.policy_state,
-        obs_ring=ring,
-        next_use=next_use,
-        tick_arrivals=st.tick_arrivals.at[j_in].add(admit.astype(jnp.int32)),
-        tick_drops=st.tick_drops.at[j_in].add(lost.astype(jnp.int32)),
+        obs_ring=st.obs_ring,
+        pending=pending,
+        taken=taken,
+        tick_arrivals=st.tick_arrivals + (_onehot(j_in, n) & admit).astype(jnp.int32),
+        tick_drops=st.tick_drops + (_onehot(j_in, n) & lost).astype(jnp.int32),
         stats=stats,
         overflow=overflow,
         events=st.events + (~stop).astype(jnp.int32),
@@ -349,10 +358,14 @@ def _update(tr: Trial, k, t_end, st: LoopState) -> LoopState:
     """Every router's update at $t_{k+1}$ = `t_end` (`AbstractPolicy.update`)."""
     setup = tr.setup
     dtype = st.x.dtype
+    n = tr.scn.n_cells
+    rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
+    cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
+    ring = st.obs_ring.at[(k + setup.m + 1) & (setup.hist - 1), rows, cols].set(st.pending)
     obs = Observation(
         k=k,
         t=t_end,
-        workload=st.obs_ring[(k + 1) & (setup.hist - 1)],
+        workload=ring[(k + 1) & (setup.hist - 1)],
         scale=None,
         drops=st.tick_drops.astype(dtype) / tr.scale,
         arrivals=st.tick_arrivals.astype(dtype) / tr.scale,
@@ -360,5 +373,11 @@ def _update(tr: Trial, k, t_end, st: LoopState) -> LoopState:
     x, pstate = tr.policy.update(tr.scn, setup, st.policy_state, obs, tr.aux)
     zi = jnp.zeros_like(st.tick_drops)
     return dataclasses.replace(
-        st, x=x.astype(dtype), policy_state=pstate, tick_arrivals=zi, tick_drops=zi
+        st,
+        x=x.astype(dtype),
+        policy_state=pstate,
+        obs_ring=ring,
+        taken=jnp.zeros_like(st.taken),
+        tick_arrivals=zi,
+        tick_drops=zi,
     )
