@@ -18,6 +18,7 @@ EXPECTED = {
     "perturb_service", "sample_latency", "MNLB_STATUS", "MNLBInfo", "mnlb_weights",
     "rif_latency_range", "step_size_ratio", "Certificate", "certificate", "fit_bound",
     "BatchStability", "batch_critical_step_size",
+    "simulate_requests", "RequestSolution",
 }
 
 
