@@ -35,7 +35,8 @@ import dlbfluid  # noqa: F401  (enables float64)
 from dlbfluid._critical_batch import batch_critical_step_size
 from dlbfluid._equilibrium import solve_equilibrium
 from dlbfluid._scenario import scenario_from_dict, stack_scenarios
-from dlbfluid._verify import _thresholds, draw_scenario, flow_policies, verify
+from dlbfluid._stability import critical_step_size
+from dlbfluid._verify import draw_scenario, flow_policies, verify
 
 CELLS = (2, 6)
 
@@ -51,9 +52,20 @@ def _scenarios(seed: int, count: int, start: int = 0):
 
 
 def _loop(scns, policy, eq) -> list:
-    """Today's loop: `verify._thresholds`, `critical_step_size` scenario by scenario with
-    8 Chebyshev nodes (what `verify` ran before the batched method)."""
-    return _thresholds(scns, policy, 8, eq)
+    """The former loop of `verify` (before the batched method): `critical_step_size`
+    scenario by scenario, pseudospectral with 8 Chebyshev nodes, around scenario b's slice
+    of the batch's equilibria (no second solve); `None` where it fails."""
+    ok = eq.status_names() == "success"
+    out: list[float | None] = []
+    for b, s in enumerate(scns):
+        one = jax.tree_util.tree_map(lambda a, b=b: a[b], eq)
+        try:
+            r = critical_step_size(s, policy, nodes=8, equilibrium=one) if ok[b] else None
+        except (ValueError, RuntimeError, np.linalg.LinAlgError):
+            r = None
+        eta = None if r is None else r.critical_step_size
+        out.append(None if eta is None else float(eta))
+    return out
 
 
 def bench_critical(n: int, chunk: int) -> dict:

@@ -26,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from ._costs import cost_from_name
 from ._results import RESULTS, status_names, view
+from ._stability import _flow_policy
 
 # The ladder of step sizes relative to the symmetric-scaling guess, ratio 8 from 1/16 to
 # 2048 (eta*/guess was 0.6 to 600 on random networks), bisections inside the first
@@ -96,8 +98,6 @@ def loop_gain(
     `(B, n)`, `(B, n, n)`), exactly the quantities `linearise` uses: $\\mu'$ from
     `ServiceModel.rate_prime`, $f'$ from `AbstractCost.derivative`, supports
     $\\{j: x^*_{ij} > \\text{support\\_tol}\\}$ of sources with $\\lambda_i > 0$."""
-    from ._costs import cost_from_name
-
     cost = cost_from_name(cost)
     scn = scenario.strip()
     N = jnp.asarray(equilibrium.N)
@@ -419,8 +419,6 @@ def batch_critical_step_size(
 
     **Returns:** a `BatchStability`.
     """
-    from ._stability import _flow_policy
-
     pol = _flow_policy(policy)
     if len(scenario.batch_shape) != 1:
         raise ValueError(

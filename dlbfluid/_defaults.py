@@ -27,3 +27,6 @@ $\\kappa_c/\\bar\\tau_i$ (theory/evaluation.md), or a fraction of each scenario'
 VERIFY_LADDERS = ("none", "full")
 """Theorem-1 ladders of `verify`: the certificate alone, or the fitted bound too
 (`dlbfluid._theorem1`)."""
+DURATION_SCALES = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0)
+"""The duration scalings $y$ of seed App. B.2 (token time / y, arrival rate x y), of the
+generator and of the `duration` experiment kind."""

@@ -21,20 +21,27 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._aversion import ErrorAversion
+from ._critical_batch import batch_critical_step_size
 from ._distributed import Processes
+from ._equilibrium import solve_equilibrium
+from ._estimation import fit_latency_model, perturb_service, sample_latency
 from ._experiment_config import KINDS as KINDS
 from ._experiment_config import POLICIES as POLICIES
-from ._experiment_config import STEP_RULE_KAPPA, ExperimentConfig
+from ._experiment_config import ExperimentConfig
 from ._experiment_config import variants as _variants
+from ._generator import TOKEN_TIME_CV, generate, scenario_dicts
 from ._integrators import Fast
 from ._manifest import MANIFEST, open_manifest, resume_note
 from ._plot import plot_summary as plot_summary
 from ._policies import MNLB, FlowRouting, policy_from_name
 from ._progress import Progress
 from ._scenario import scenario_from_dict, stack_scenarios
+from ._simulate import simulate
+from ._step_rule import padded, paper_step_sizes
 
 FIT_SAMPLES = 500
 
@@ -64,8 +71,6 @@ def _variant_batch(cfg: ExperimentConfig, options: dict):
     routers see them: where the routers' model differs from the truth (`noise`, `fit`),
     a nominal scenario's service is the routers' model, so that nothing a router computes
     (costs, step sizes) comes from the true one."""
-    from ._generator import TOKEN_TIME_CV, generate, scenario_dicts
-
     gen = generate(
         cfg.seed,
         cfg.scenarios,
@@ -87,8 +92,6 @@ def _variant_batch(cfg: ExperimentConfig, options: dict):
             scns.append(scenario_from_dict(per_trial[t][s], allow_overload=True))
     eps = options.get("noise")
     if eps:
-        from ._estimation import perturb_service
-
         # One perturbation per scenario (the same for all its trials), seeded by its index.
         est = [
             perturb_service(scns[s * cfg.trials].service, eps, cfg.seed * 1_000_003 + s)
@@ -109,11 +112,6 @@ def _with_fitted_models(cfg: ExperimentConfig, scns: list) -> list:
     """Routers use softplus models fitted (`fit_latency_model`) to `FIT_SAMPLES` noisy
     latency samples per cell (`sample_latency`, 5% lognormal noise), one fit per cell of
     every scenario in one vmapped call; the same fit for all trials of a scenario."""
-    import jax
-    import jax.numpy as jnp
-
-    from ._estimation import fit_latency_model, sample_latency
-
     firsts = [scns[s * cfg.trials] for s in range(cfg.scenarios)]
     sizes = [int(np.asarray(f.cell_mask).sum()) for f in firsts]
     flat = jax.tree_util.tree_map(
@@ -130,8 +128,6 @@ def _with_fitted_models(cfg: ExperimentConfig, scns: list) -> list:
 
 
 def _cells(service, n):
-    import jax
-
     return jax.tree_util.tree_map(lambda a: a[:n], service)
 
 
@@ -143,70 +139,41 @@ def _step_sizes(
     `"paper"` (seed App. B: "inversely proportional to the mean network latency"):
     $\\eta_i = \\kappa_c/\\bar\\tau_i$ (`paper_step_sizes`). `"oracle"`: $\\eta = $
     `step_fraction` $\\cdot \\eta^*$ per scenario, from the linearisation at the nominal
-    scenario's equilibrium (theory/stability.md), the same for all its routers; a scenario
+    scenario's equilibrium (`_critical_step_sizes`), the same for all its routers; a scenario
     whose $\\eta^*$ cannot be computed takes the median of the others. In both, the nominal
     scenarios are the routers' view (`_variant_batch`).
 
     Oracle: every process solves the equilibria of the whole batch (one batched solve, as
     in a one-process run) and computes $\\eta^*$ for its share of the scenarios; all of
     them then take the median of all."""
-    from ._equilibrium import solve_equilibrium
-    from ._verify import _thresholds
-
     pol = policy_from_name(policy)
     n = max(int(np.asarray(s.cell_mask).sum()) for s in nominal)
     if cfg.step_rule == "paper":
         return paper_step_sizes(nominal, pol.cost.name, n)
     procs = Processes() if procs is None else procs
-    eq = solve_equilibrium(stack_scenarios(nominal), pol.cost)
+    batch = stack_scenarios(nominal)
+    eq = solve_equilibrium(batch, pol.cost)
     part = procs.share(len(nominal))
-    whole = len(part) == len(nominal)
-    eq_part = eq if whole else jax.tree_util.tree_map(lambda a: a[part.start : part.stop], eq)
-    mine = _thresholds(nominal[part.start : part.stop], policy, 24, eq_part)
+    if len(part) != len(nominal):
+        batch, eq = jax.tree_util.tree_map(lambda a: a[part.start : part.stop], (batch, eq))
+    mine = _critical_step_sizes(batch, pol, eq)
     etas = [e for share in procs.allgather(mine, "experiment/eta") for e in share]
     good = [e for e in etas if e is not None and math.isfinite(e) and e > 0]
     fill = float(np.median(good)) if good else 1.0
     eta = cfg.step_fraction * np.array([fill if e is None else e for e in etas])
-    mask = np.stack([_padded(np.asarray(s.cell_mask), n) for s in nominal])
+    mask = np.stack([padded(np.asarray(s.cell_mask), n) for s in nominal])
     return np.where(mask, eta[:, None], 0.0)
 
 
-def mean_remote_delay(scenario) -> np.ndarray:
-    """$\\bar\\tau_i$, `(n,)`: the mean one-way delay from router $i$ to the other cells it
-    may route to; a router with none takes the mean over the scenario's remote arcs (its
-    step size moves nothing: its simplex is one point), and a scenario without remote arcs
-    takes 1 s."""
-    tau = np.asarray(scenario.latency, float)
-    real = np.asarray(scenario.cell_mask, bool)
-    remote = np.asarray(scenario.allowed, bool) & ~np.eye(tau.shape[0], dtype=bool)
-    remote &= real[:, None] & real[None, :]
-    count = remote.sum(axis=1)
-    total = np.where(remote, tau, 0.0).sum(axis=1)
-    overall = total.sum() / count.sum() if count.sum() else 1.0
-    return np.where(count > 0, total / np.maximum(count, 1), overall)
-
-
-def paper_step_sizes(scenarios, cost: str, n: int | None = None) -> np.ndarray:
-    """The paper's step-size rule, `(len(scenarios), n)`: router $i$ of a flow policy with
-    cost family `cost` takes $\\eta_i = \\kappa_c/\\bar\\tau_i$ (`mean_remote_delay`),
-    $\\kappa_c$ = `STEP_RULE_KAPPA[cost]`; padded cells 0. Only delays enter: the routers
-    measure them, so the rule needs no model of the cells."""
-    if cost not in STEP_RULE_KAPPA:
-        raise ValueError(
-            f"step_rule = 'paper' is invalid for cost {cost!r}: kappa is calibrated for "
-            f"{list(STEP_RULE_KAPPA)}; use step_rule = 'oracle' (--step-rule oracle)"
-        )
-    kappa = STEP_RULE_KAPPA[cost]
-    rows = []
-    for s in scenarios:
-        real = np.asarray(s.cell_mask, bool)
-        eta = np.where(real, kappa / mean_remote_delay(s), 0.0)
-        rows.append(_padded(eta, eta.shape[0] if n is None else n))
-    return np.stack(rows)
-
-
-def _padded(a: np.ndarray, n: int) -> np.ndarray:
-    return np.concatenate([a, np.zeros(n - a.shape[0], a.dtype)])
+def _critical_step_sizes(batch, policy, eq) -> list[float | None]:
+    """$\\eta^*$ of every scenario of `batch` around its equilibrium `eq` (no second
+    solve), in one compiled call (`batch_critical_step_size`; theory/stability.md §7);
+    `None` where the equilibrium failed. Where Newton's polish did not converge
+    (`not_converged`) $\\eta^*$ is the middle of the bisected bracket, within 3.3%, which
+    the oracle's fraction of it does not need to be closer than."""
+    crit = batch_critical_step_size(batch, policy, eq)
+    ok = eq.status_names() == "success"
+    return [float(e) if good else None for e, good in zip(np.asarray(crit.critical_step_size), ok)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -506,8 +473,6 @@ def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], lis
 
 
 def _simulate_unit(cfg, batch, pol, eta, aversion, integrator, tick):
-    from ._simulate import simulate
-
     return simulate(
         batch,
         pol,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ._defaults import PROBE_TICK, STEP_RULES
+from ._defaults import DURATION_SCALES, PROBE_TICK, STEP_RULES
 from ._registry import BUILTIN_POLICIES
 from ._registry import POLICIES as _REGISTRY
 
@@ -56,8 +56,6 @@ def variants(kind: str) -> list[tuple[str, dict]]:
     """The `(label, options)` variants of an experiment kind. Options: `utilisation`,
     `duration_scale`, `token_time_cv` (generator), `event` (App. B.3), `noise` or `fit`
     (routers' models), `tick` (the variant's own tick)."""
-    from ._generator import DURATION_SCALES
-
     if kind == "baseline":
         return [("baseline", {})]
     if kind == "utilization":

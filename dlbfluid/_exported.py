@@ -31,6 +31,8 @@ from pathlib import Path
 import jax
 import jaxlib
 
+import dlbfluid
+
 _DIR: list[Path | None] = [None]
 _LOADED: dict[str, Callable] = {}  # key -> jitted call of the deserialised program
 # A repr holding a memory address ("<function f at 0x7f...>") differs in every process.
@@ -62,8 +64,6 @@ def _source_digest() -> str:
 
 
 def _key(name: str, static, leaves, treedef) -> str | None:
-    from . import __version__
-
     text = repr(static)
     if _UNSTABLE.search(text):
         return None
@@ -73,7 +73,7 @@ def _key(name: str, static, leaves, treedef) -> str | None:
         text,
         str(treedef),
         tuple((tuple(a.shape), str(a.dtype)) for a in leaves),
-        __version__,
+        dlbfluid.__version__,
         _source_digest(),
         jax.__version__,
         jaxlib.__version__,

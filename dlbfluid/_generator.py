@@ -27,6 +27,9 @@ import numpy as np
 import scipy.special
 import scipy.stats
 
+from ._defaults import DURATION_SCALES as DURATION_SCALES
+from ._service import Softplus
+
 # ----------------------------------------------------------------------------------------
 # Constants (theory/generator.md lists each with its reason)
 # ----------------------------------------------------------------------------------------
@@ -60,8 +63,8 @@ EVENT_WINDOW = (0.3, 0.7)
 """Burst/outage window as fractions of the horizon: minutes 3 to 7 of 10 (seed App. B.3)."""
 
 EVENTS = ("none", "burst", "outage", "spikes")
-DURATION_SCALES = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0)
-"""The duration scalings $y$ of seed App. B.2 (token time / y, arrival rate x y)."""
+# `DURATION_SCALES`, the duration scalings $y$, is in `_defaults` (imported above): the
+# experiment's kinds list them without importing JAX.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +220,6 @@ def server_service(
 def softplus_latency(N, capacity, base_latency, knee, width) -> np.ndarray:
     """$\\ell(N) = L_0 + (s/\\bar\\mu)\\,\\mathrm{sp}((N-N_0)/s)$, float64 (the softplus law,
     `dlbfluid._service.Softplus.latency`), as numpy."""
-    from ._service import Softplus
-
     p = {
         "capacity": jnp.asarray(capacity, jnp.float64),
         "base_latency": jnp.asarray(base_latency, jnp.float64),

@@ -18,6 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _resolve(path: str) -> Any:
+    """The object that a `"module:attr"` path names, importing its module now."""
+    mod, _, attr = path.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
 class Registry:
     """Names to members of one family (`kind`), in registration order.
 
@@ -62,8 +68,7 @@ class Registry:
         if name not in self._resolved:
             member = self._items[name]
             if isinstance(member, str):
-                mod, _, attr = member.partition(":")
-                member = getattr(importlib.import_module(mod), attr)
+                member = _resolve(member)
             # A class or a plain function is a factory; anything else is the member.
             if isinstance(member, type) or inspect.isfunction(member):
                 member = member()
@@ -93,12 +98,17 @@ for _name, _short, _path in _BUILTIN_COSTS:
     COSTS.register(_name, _path)
 
 
+# The two routing mechanisms of a cost family, by module path: the registry names its
+# members and never imports them (the policies import the registry).
+_MECHANISMS = {
+    "disc": "dlbfluid._policies.discrete:DiscreteRouting",
+    "flow": "dlbfluid._policies.flow:FlowRouting",
+}
+
+
 def _mechanism_factory(mechanism: str, cost: str) -> Callable[[], Any]:
     def make():
-        from ._policies import DiscreteRouting, FlowRouting
-
-        cls = DiscreteRouting if mechanism == "disc" else FlowRouting
-        return cls(COSTS.get(cost))
+        return _resolve(_MECHANISMS[mechanism])(COSTS.get(cost))
 
     return make
 

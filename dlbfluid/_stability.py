@@ -50,10 +50,12 @@ import scipy.optimize
 from ._defaults import FLOW_POLICIES
 from ._defaults import STABILITY_METHODS as METHODS
 from ._defaults import STABILITY_NODES as DEFAULT_NODES
+from ._equilibrium import solve_equilibrium
 from ._policies import AbstractPolicy, FlowRouting, policy_from_name
 from ._progress import Progress
 from ._registry import flow_policy_names
 from ._scenario import Scenario
+from ._simulate import Fast, simulate
 
 AUTO_PSEUDOSPECTRAL_SIZE = 600
 """`method="auto"` uses the pseudospectral method up to this generator size $(M+1)d$."""
@@ -414,8 +416,6 @@ def linearise(
     **Raises:** `ValueError` for a discrete or random policy, a batched scenario, or bad
     options.
     """
-    from ._equilibrium import solve_equilibrium
-
     pol = _flow_policy(policy)
     if len(scenario.batch_shape) != 0:
         raise ValueError(
@@ -1309,8 +1309,6 @@ def step_size_ratio(
     **Raises:** `ValueError` for a policy without a step size (discrete, random, MNLB) or a
     bad `step_size`; `OverloadError` when the demand has no equilibrium within capacity.
     """
-    from ._equilibrium import solve_equilibrium
-
     pol = _flow_policy(policy)
     eta = float(step_size) if isinstance(step_size, (int, float, np.floating)) else math.nan
     if not (math.isfinite(eta) and eta > 0):
@@ -1437,8 +1435,6 @@ def herding(
 
     **Returns:** a `HerdingResult` (arrays with a leading batch axis for a batch).
     """
-    from ._simulate import Fast, simulate
-
     if not (0.0 < window <= 1.0):
         raise ValueError(f"window = {window!r} is invalid: expected a fraction in (0, 1]")
     K = int(round(float(horizon) / float(np.max(tick))))

@@ -10,6 +10,7 @@ compiling. The whole catalogue takes a few seconds.
 import copy
 import json
 import math
+import sys
 import types
 
 import numpy as np
@@ -35,15 +36,20 @@ _VERBS = [
 
 @pytest.fixture
 def no_work(monkeypatch):
-    """Every computing verb raises `ComputationStarted`; no JAX_* process variables."""
+    """Every computing verb raises `ComputationStarted`, in every module that imported it;
+    no JAX_* process variables."""
     import importlib
 
-    for mod, name in _VERBS:
+    # Import them all before patching any: a module imported later would keep a stub.
+    reals = [getattr(importlib.import_module(mod), name) for mod, name in _VERBS]
+    for (_, name), real in zip(_VERBS, reals):
 
         def refuse(*args, _name=name, **kwargs):
             raise ComputationStarted(_name)
 
-        monkeypatch.setattr(importlib.import_module(mod), name, refuse)
+        for m in [m for k, m in sys.modules.items() if k.startswith("dlbfluid")]:
+            if getattr(m, name, None) is real:
+                monkeypatch.setattr(m, name, refuse)
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(k, raising=False)
 
@@ -457,14 +463,14 @@ def test_zero_demand_equilibrium(as_json, tmp_path, capsys, monkeypatch):
 
 
 def test_zero_demand_price_of_anarchy_is_nan(monkeypatch):
-    from dlbfluid._equilibrium import api, rif_range
+    from dlbfluid._equilibrium import anarchy
 
-    monkeypatch.setattr(api, "solve_equilibrium", _fake_equilibrium)
+    monkeypatch.setattr(anarchy, "solve_equilibrium", _fake_equilibrium)
     # (what rif_latency_range gives without demand, tests/test_rif_range.py: costs 0, NaN latencies)
-    monkeypatch.setattr(rif_range, "rif_latency_range", lambda scn, **kw: types.SimpleNamespace(
+    monkeypatch.setattr(anarchy, "rif_latency_range", lambda scn, **kw: types.SimpleNamespace(
         mean_latency_low=math.nan, mean_latency_high=math.nan, social_cost_low=0.0,
         social_cost_high=0.0))  # fmt: skip
-    poa = api.price_of_anarchy(dl.scenario_from_dict(ZERO))
+    poa = anarchy.price_of_anarchy(dl.scenario_from_dict(ZERO))
     assert math.isnan(float(poa["latency"])) and math.isnan(float(poa["rif"]))
     assert np.all(np.isnan(np.asarray(poa["rif_price_of_anarchy_range"])))
     assert np.all(np.isnan(np.asarray(poa["rif_mean_latency_range"])))

@@ -12,6 +12,7 @@ import pytest
 
 import dlbfluid as dl
 from dlbfluid import _experiment as ex
+from dlbfluid import _step_rule
 from dlbfluid._defaults import PROBE_TICK
 from dlbfluid._experiment_config import (
     HETEROGENEITY_CVS,
@@ -41,14 +42,14 @@ def _three_cells():
 
 def test_paper_step_rule_is_kappa_over_the_mean_remote_delay():
     scn = _three_cells()
-    np.testing.assert_allclose(ex.mean_remote_delay(scn), [0.02, 0.01, 0.05 / 3], rtol=1e-15)
-    eta = ex.paper_step_sizes([scn], "gradient", 5)
+    np.testing.assert_allclose(_step_rule.mean_remote_delay(scn), [0.02, 0.01, 0.05 / 3], rtol=1e-15)
+    eta = _step_rule.paper_step_sizes([scn], "gradient", 5)
     k = STEP_RULE_KAPPA["gradient"]
     # router 2 has no remote arc: it takes the scenario's mean remote delay, (0.01+0.03+0.01)/3
     expect = [k / 0.02, k / 0.01, k / (0.05 / 3), 0.0, 0.0]
     np.testing.assert_allclose(eta[0], expect, rtol=1e-14)
     with pytest.raises(ValueError, match="oracle"):
-        ex.paper_step_sizes([scn], "my-cost")
+        _step_rule.paper_step_sizes([scn], "my-cost")
 
 
 def test_the_oracle_rule_under_noise_sees_the_routers_model():
@@ -139,7 +140,7 @@ def test_runner_gives_each_policy_its_aversion_tick_and_step_sizes(
     assert len(calls) == 3 * len(TICKS) * 2
     assert [c[2] for c in calls[::3]] == list(TICKS) * 2  # each variant its own tick
     nominal, batch, _ = ex._variant_batch(cfg, {})
-    paper = np.repeat(ex.paper_step_sizes(nominal, "gradient", batch.n_cells), 2, axis=0)
+    paper = np.repeat(_step_rule.paper_step_sizes(nominal, "gradient", batch.n_cells), 2, axis=0)
     for name, aversion, _, eta in calls:
         if name == "MNLB":
             assert (aversion is not None) == mnlb_aversion

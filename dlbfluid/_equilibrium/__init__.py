@@ -1,10 +1,10 @@
 """Equilibria as one batched convex program: problem and certificate, the Newton systems,
 the two solver stages (one file each), the solver, and the public verb."""
 
+from .anarchy import price_of_anarchy as price_of_anarchy
 from .api import EQ_STATUS as EQ_STATUS
 from .api import EquilibriumError as EquilibriumError
 from .api import EquilibriumSolution as EquilibriumSolution
-from .api import price_of_anarchy as price_of_anarchy
 from .api import solve_equilibrium as solve_equilibrium
 from .base import AbstractStage as AbstractStage
 from .interior_point import InteriorPoint as InteriorPoint

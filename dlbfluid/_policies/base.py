@@ -23,6 +23,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Float, Int
 
+from .._costs import route_costs
 from .._registry import BUILTIN_POLICIES, POLICIES
 
 POLICY_NAMES = BUILTIN_POLICIES
@@ -120,8 +121,6 @@ class AbstractCostPolicy(AbstractPolicy):
         per-router step $\\eta_i h$."""
 
     def update(self, scn, setup, state, obs, aux):
-        from .._costs import route_costs
-
         costs = route_costs(self.cost, scn, obs.workload, obs.scale)
         x = self.route(state, costs, setup.step, scn.allowed)
         return x, x

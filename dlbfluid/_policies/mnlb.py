@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .._arrivals import rate_integral
+from .._mnlb import mnlb_weights
 from .._scenario import replica_scale
 from .base import AbstractPolicy
 
@@ -46,8 +47,6 @@ class MNLB(AbstractPolicy):
         return aux[0]
 
     def prepare(self, scn, h, horizon: float):
-        from .._mnlb import mnlb_weights
-
         T = self.update_period
         n_periods = int(math.floor(horizon / T + 1e-9)) + 1
         dtype = scn.latency.dtype
