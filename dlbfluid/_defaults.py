@@ -30,3 +30,7 @@ VERIFY_LADDERS = ("none", "full")
 DURATION_SCALES = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0)
 """The duration scalings $y$ of seed App. B.2 (token time / y, arrival rate x y), of the
 generator and of the `duration` experiment kind."""
+
+STEP_BASES = ("eta-star", "eta0")
+"""What `verify`'s step fraction multiplies: the linear critical step $\\eta^*$, or the proof's
+$\\eta_0$ (a run at a fraction $\\le 1$ of it is inside Theorem 1's hypothesis)."""

@@ -34,15 +34,21 @@ _GL_X = 0.5 * (_GL_X + 1.0)
 _GL_W = 0.5 * _GL_W
 
 
-def workload_potential(cost, scn: Scenario, N, N_star):
-    """$\\Phi(N) = \\sum_j \\int_{N_j^*}^{N_j} (f_j(s) - f_j^*)\\,ds$ (Gauss-Legendre, 32 nodes)."""
+def workload_potential_per_cell(cost, scn: Scenario, N, N_star):
+    """$\\Phi_j(N_j) = \\int_{N_j^*}^{N_j} (f_j(s) - f_j^*)\\,ds$ per cell (Gauss-Legendre, 32
+    nodes; 0 on padded cells)."""
     cost = cost_from_name(cost)
     N, N_star = jnp.broadcast_arrays(N, N_star)
     f_star = cost.destination(scn, N_star)
     s = N_star[..., None, :] + lead(_GL_X[:, None], N.ndim + 1) * (N - N_star)[..., None, :]
     integrand = cost.destination(scn, s) - f_star[..., None, :]
     per_cell = (N - N_star) * jnp.tensordot(_GL_W, integrand, axes=(0, -2))
-    return jnp.sum(jnp.where(like(scn.cell_mask, per_cell), per_cell, 0.0), axis=-1)
+    return jnp.where(like(scn.cell_mask, per_cell), per_cell, 0.0)
+
+
+def workload_potential(cost, scn: Scenario, N, N_star):
+    """$\\Phi(N) = \\sum_j \\int_{N_j^*}^{N_j} (f_j(s) - f_j^*)\\,ds$ (Gauss-Legendre, 32 nodes)."""
+    return jnp.sum(workload_potential_per_cell(cost, scn, N, N_star), axis=-1)
 
 
 def workload_gap(cost, scn: Scenario, N, N_star):

@@ -14,6 +14,7 @@ settings.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -26,18 +27,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._defaults import STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
+from ._critical_batch import batch_critical_step_size
+from ._defaults import STEP_BASES, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
 from ._distributed import Processes
+from ._equilibrium import solve_equilibrium
+from ._experiment_config import STEP_RULE_KAPPA
+from ._generator import generate, scenario_dicts
 from ._manifest import open_manifest, resume_note
+from ._policies import FlowRouting, policy_from_name
 from ._progress import Progress
 from ._registry import flow_policy_names
 from ._scenario import check_capacity, scenario_from_dict, stack_scenarios
+from ._simulate import simulate
+from ._stability import scale_delays
+from ._step_rule import paper_step_sizes
+from ._theorem1 import (
+    Ladder,
+    batch_projection_check,
+    batch_start_terms,
+    batch_theorem1_check,
+    batch_theorem1_constants,
+    theorem1_ladder,
+)
+from ._theorem1.check import theorem1_record
 
 
 def flow_policies(names=None) -> tuple[tuple[str, str], ...]:
     """`(policy name, cost name)` of the registered flow policies (or of `names`)."""
-    from ._policies import FlowRouting, policy_from_name
-
     out = []
     for p in flow_policy_names() if names is None else names:
         pol = policy_from_name(p)
@@ -132,8 +148,6 @@ def draw_appb(seed: int, index: int, *, n_cells=(2, 6)) -> dict:
 def draw_appb_many(seed: int, indices, *, n_cells=(2, 6)) -> list[dict]:
     """`draw_appb` for several indices, one `generate` call per contiguous run of them
     (each call compiles nothing new and costs about as much as one scenario)."""
-    from ._generator import generate, scenario_dicts
-
     indices = [int(i) for i in indices]
     out: dict[int, dict] = {}
     k = 0
@@ -201,23 +215,43 @@ def _fraction(v) -> float | None:
 
 
 def summarise(records: list[dict]) -> dict:
-    """Fractions converged, certified and under their fitted bound, and quantiles of each
-    diagnostic and Theorem-1 constant, per policy (null where a record lacks it, e.g.
-    without the ladder)."""
+    """Per policy: Theorem 1's verdict first (the fraction of runs inside its hypothesis,
+    the fraction of those under the explicit bound, the tightness bound / measured, each
+    estimate's holds fraction), the three step-size thresholds, then the diagnostics
+    (converged, the projection check, the descriptive fit; null where a record lacks
+    them, e.g. without the ladder)."""
     out: dict = {"scenarios": len(records), "policies": {}}
     names = list(dict.fromkeys(p for r in records for p in r["policies"]))
     for pol in names:
         rs = [r["policies"][pol] for r in records]
-        cert = [r.get("certificate") or {} for r in rs]
+        thm = [r.get("theorem1") or {} for r in rs]
+        thr = [r.get("thresholds") or {} for r in rs]
+        proj = [r.get("projection_check") or {} for r in rs]
         bound = [r.get("bound") or {} for r in rs]
+        inside = [t for t in thm if t.get("in_hypothesis")]
+        estimates = {k for t in thm for k in (t.get("estimates") or {})}
         out["policies"][pol] = {
+            "in_hypothesis_fraction": _fraction([t.get("in_hypothesis") for t in thm]),
+            "theorem1_holds_fraction": _fraction([t.get("holds") for t in inside]),
+            "tightness": _quantiles([t.get("tightness") for t in inside]),
+            "estimates_hold_fraction": {
+                k: _fraction([(t.get("estimates") or {}).get(k, {}).get("holds") for t in thm])
+                for k in sorted(estimates)
+            },
+            "eta0_over_eta_star": _quantiles(
+                [_ratio(t.get("eta0"), t.get("eta_star")) for t in thr]
+            ),  # fmt: skip
+            "eta_global_over_eta_star": _quantiles(
+                [_ratio(t.get("eta_global"), t.get("eta_star")) for t in thr]
+            ),
+            "bistable_fraction": _fraction([t.get("bistable") for t in thr]),
             "converged_fraction": float(np.mean([r["converged"] for r in rs])) if rs else None,
             "failed": int(sum(r["status"] != "success" for r in rs)),
             "time_average_distance": _quantiles([r["time_average_distance"] for r in rs]),
             "final_distance": _quantiles([r["final_distance"] for r in rs]),
             "eta_over_eta_star": _quantiles([r["eta_over_eta_star"] for r in rs]),
-            "certificate_holds_fraction": _fraction([c.get("holds") for c in cert]),
-            "discretisation_excess": _quantiles([c.get("discretisation_excess") for c in cert]),
+            "projection_check_holds_fraction": _fraction([c.get("holds") for c in proj]),
+            "discretisation_excess": _quantiles([c.get("discretisation_excess") for c in proj]),
             "bound_holds_fraction": _fraction([b.get("holds") for b in bound]),
             "A": _quantiles([b.get("A") for b in bound]),
             "B": _quantiles([b.get("B") for b in bound]),
@@ -225,9 +259,15 @@ def summarise(records: list[dict]) -> dict:
             "fit_rel_rms": _quantiles([b.get("fit_rel_rms") for b in bound]),
             "schedule_slope": _quantiles([r.get("schedule_slope") for r in rs]),
             "g1_growth_exponent": _quantiles([r.get("g1_growth_exponent") for r in rs]),
-            "eta0_over_eta_star": _quantiles([r.get("eta0_over_eta_star") for r in rs]),
+            "empirical_eta0_over_eta_star": _quantiles(
+                [r.get("empirical_eta0_over_eta_star") for r in rs]
+            ),
         }
     return out
+
+
+def _ratio(a, b) -> float | None:
+    return None if a is None or b is None or not b else float(a) / float(b)
 
 
 def verify(
@@ -251,6 +291,7 @@ def verify(
     step_rule: str = "oracle",
     ladder: str = "none",
     tau_scales: tuple[float, ...] = (1.0, 2.0, 4.0),
+    step_base: str = "eta-star",
 ) -> dict | None:
     """Verify Theorem 1 on `n_scenarios` random scenarios; returns the summary dict.
 
@@ -312,6 +353,7 @@ def verify(
         ("generator", generator, VERIFY_GENERATORS),
         ("step_rule", step_rule, STEP_RULES),
         ("ladder", ladder, VERIFY_LADDERS),
+        ("step_base", step_base, STEP_BASES),
     ):
         if choice not in choices:
             raise ValueError(f"{key} = {choice!r} is invalid: allowed values are {list(choices)}")
@@ -336,8 +378,6 @@ def verify(
         raise ValueError(f"horizon = {horizon} is not a whole number of ticks of {tick}")
     pols = flow_policies(policies)
     if step_rule == "paper":
-        from ._experiment_config import STEP_RULE_KAPPA
-
         for p, c in pols:
             if c not in STEP_RULE_KAPPA:
                 raise ValueError(
@@ -370,6 +410,7 @@ def verify(
                     ("step_rule", step_rule, "oracle"),
                     ("ladder", ladder, "none"),
                     ("tau_scales", list(tau_scales) if ladder == "full" else None, None),
+                    ("step_base", step_base, "eta-star"),
                 ):
                     if value != default:
                         config[key] = value
@@ -399,8 +440,14 @@ def verify(
         source = _AppB(n_cells)
     else:
         source = lambda sd, i: draw_scenario(sd, i, n_cells=n_cells)  # noqa: E731
-    opts = _Options(step_fraction, conv_tol, nodes, step_rule, ladder, tau_scales)
+    opts = _Options(step_fraction, conv_tol, nodes, step_rule, ladder, tau_scales, step_base)
     t_start = time.perf_counter()
+    bar = None
+
+    def note(c, total):
+        # (a line between the policies of a chunk, so that a long chunk shows progress)
+        return lambda what: bar.update(len(done), note=f"chunk {c + 1}/{total}: {what}")
+
     if not procs.main:
         report = None
     elif callable(progress):
@@ -412,6 +459,10 @@ def verify(
         report = None
     if report:
         report(len(done), n_scenarios, t_start)
+    # A chunk wider than the run would only simulate padding, and a short run in one chunk
+    # would show no progress until its end: at least four chunks where the run allows
+    # (records do not depend on the chunk).
+    chunk = min(chunk, max(1, -(-n_scenarios // 4)))
     chunks = [todo[c0 : c0 + chunk] for c0 in range(0, len(todo), chunk)]
     # Each process computes whole chunks, the next `procs.count` of them at a time (one
     # each), so every scenario is computed in the chunk a one-process run gives it, and
@@ -422,7 +473,8 @@ def verify(
             rec
             for k in procs.share(len(batch))
             for rec in _chunk_records(
-                batch[k], seed, source, pols, chunk, n_cells, tick, horizon, K, opts
+                batch[k], seed, source, pols, chunk, n_cells, tick, horizon, K, opts,
+                on_stage=note(r0 + k, len(chunks)) if bar is not None else None,
             )
         ]  # fmt: skip
         shares = procs.gather(mine, "verify/chunk")
@@ -451,6 +503,7 @@ def verify(
         conv_tol=conv_tol,
         generator=generator if scenario is None and draw is None else None,
         step_rule=step_rule,
+        step_base=step_base,
         ladder=ladder,
         tau_scales=list(tau_scales) if ladder == "full" else None,
         devices=[str(d) for d in jax.devices()],
@@ -477,6 +530,7 @@ _FLAGS = {
     "ladder": "--ladder",
     "tau_scales": "--tau-scales",
     "policies": "--policy",
+    "step_base": "--step-base",
 }
 
 
@@ -489,12 +543,11 @@ class _Options(NamedTuple):
     step_rule: str
     ladder: str
     tau_scales: tuple[float, ...]
+    step_base: str
 
 
 def _digest(d: dict) -> str:
     """A short fingerprint of a given scenario (the manifest records it, not the file)."""
-    import hashlib
-
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -505,14 +558,10 @@ def _qualified_name(fn) -> str:
     return f"{getattr(obj, '__module__', '?')}.{obj.__qualname__}"
 
 
-def _chunk_records(idx, seed, source, pols, chunk, n_cells, tick, horizon, K, opts) -> list[dict]:
+def _chunk_records(
+    idx, seed, source, pols, chunk, n_cells, tick, horizon, K, opts, on_stage=None
+) -> list[dict]:
     """The records of the scenarios `idx` (at most `chunk`), computed as one batch."""
-    from ._critical_batch import batch_critical_step_size
-    from ._equilibrium import solve_equilibrium
-    from ._simulate import simulate
-    from ._stability import scale_delays
-    from ._theorem1 import Ladder, batch_certificate, theorem1_ladder
-
     many = getattr(source, "many", None)
     dicts = many(seed, idx) if many is not None else [source(seed, i) for i in idx]
     scns = [
@@ -532,27 +581,34 @@ def _chunk_records(idx, seed, source, pols, chunk, n_cells, tick, horizon, K, op
         }
         for i, s, d in zip(idx, scns, dicts)
     ]
+    stage = on_stage if on_stage is not None else (lambda what: None)
     for pol, cost in pols:
+        stage(f"{pol}: equilibria")
         eq = solve_equilibrium(batch, cost, throw=False, check=False)
         eq_ok = eq.status_names() == "success"
         if opts.step_rule == "paper":
-            from ._experiment import paper_step_sizes
-
             steps = paper_step_sizes(fill, cost, n)
             weights = steps / np.maximum(steps.max(axis=1, keepdims=True), 1e-300)
         else:
             steps, weights = None, None
+        stage(f"{pol}: critical steps")
         crit = batch_critical_step_size(batch, pol, eq, step_weights=weights)
         eta_star = np.where(eq_ok, np.asarray(crit.critical_step_size), np.nan)
         usable = np.isfinite(eta_star) & (eta_star > 0)
+        scn = batch.strip()
+        stage(f"{pol}: Theorem-1 constants")
+        consts = batch_theorem1_constants(cost, scn, eq.N, eq.x)
+        eta0 = np.where(eq_ok, np.asarray(consts.eta0), np.nan)
         if steps is None:
-            eta = np.where(usable, opts.step_fraction * eta_star, 0.05)
+            base = eta0 if opts.step_base == "eta0" else eta_star
+            ok_base = np.isfinite(base) & (base > 0)
+            eta = np.where(ok_base, opts.step_fraction * base, 0.05)
             eta_routers = np.broadcast_to(eta[:, None], (chunk, n))
-            ratio = np.where(usable, opts.step_fraction, np.nan)
         else:
             eta_routers = steps
             eta = steps.max(axis=1)
-            ratio = np.where(usable, eta / np.where(usable, eta_star, 1.0), np.nan)
+        ratio = np.where(usable, eta / np.where(usable, eta_star, 1.0), np.nan)
+        stage(f"{pol}: simulating")
         sol = simulate(
             batch,
             pol,
@@ -562,18 +618,14 @@ def _chunk_records(idx, seed, source, pols, chunk, n_cells, tick, horizon, K, op
             n_save=K,
             throw=False,
         )
-        cert = batch_certificate(
-            cost,
-            batch.strip(),
-            eq.N,
-            eq.x,
-            jnp.asarray(eta_routers),
-            jnp.full(chunk, tick),
-            sol.t,
-            sol.N,
-            sol.x,
-        )
-        tad = np.asarray(cert.lhs) / horizon
+        eta_j = jnp.asarray(eta_routers)
+        ticks = jnp.full(chunk, tick)
+        stage(f"{pol}: checking Theorem 1")
+        proj = batch_projection_check(cost, scn, eq.N, eq.x, eta_j, ticks, sol.t, sol.N, sol.x)
+        terms = batch_start_terms(cost, consts, scn, eq.N, eq.x, sol.N[:, 0], sol.x[:, 0], eta_j)
+        thm = batch_theorem1_check(cost, consts, terms, scn, eq.N, eq.x, eta_j, ticks, sol.t,
+                                   sol.N, sol.x)  # fmt: skip
+        tad = np.asarray(proj.lhs) / horizon
         Nf = np.asarray(sol.N[:, -1])
         Ns = np.asarray(eq.N)
         osc = np.asarray(sol.oscillation())
@@ -613,48 +665,39 @@ def _chunk_records(idx, seed, source, pols, chunk, n_cells, tick, horizon, K, op
                 "status": str(st[b]),
                 "equilibrium_status": str(eqst[b]),
                 "kkt_residual": float(np.asarray(eq.kkt_residual)[b]),
-                "certificate": cert.record(b),
+                "theorem1": theorem1_record(consts, terms, thm, b, nb) if eq_ok[b] else None,
+                "thresholds": {
+                    "eta0": _finite(eta0[b]),
+                    "eta_star": es if math.isfinite(es) else None,
+                    "eta_global": None,
+                    "bistable": None,
+                    "hopf": None,
+                    "witness": None,
+                    "cycle_amplitude": None,
+                    "cycle_period": None,
+                },
+                "projection_check": proj.record(b),
                 "bound": th.get("bound"),
                 "schedule_slope": th.get("schedule_slope"),
                 "schedule_delay_share": th.get("schedule_delay_share"),
                 "g1_growth_exponent": th.get("g1_growth_exponent"),
                 "g1_by_tau_scale": th.get("g1_by_tau_scale"),
                 "empirical_eta0": th.get("empirical_eta0"),
-                "eta0_over_eta_star": th.get("eta0_over_eta_star"),
+                "empirical_eta0_over_eta_star": th.get("eta0_over_eta_star"),
             }
             if steps is not None:
                 one["step_sizes"] = [float(v) for v in steps[b, :nb]]
             rec["policies"][pol] = one
+        stage(f"{pol} done")
     return recs
+
+
+def _finite(v) -> float | None:
+    v = float(v)
+    return v if math.isfinite(v) else None
 
 
 def _utilisation(scn) -> float:
     """$\\sum_i\\lambda_i(0)/\\sum_j\\bar\\mu_j$ of one scenario."""
     lam = np.asarray(scn.arrival_rate(0.0))
     return float(lam.sum() / np.asarray(scn.service.capacity).sum())
-
-
-def _thresholds(scns, policy: str, nodes: int, eq) -> list:
-    """Critical step sizes around the batch's own equilibria (no second solve), one
-    scenario at a time by the pseudospectral method (theory/stability.md §3): `verify`
-    used this loop before `batch_critical_step_size`; the experiment's oracle step rule
-    still does."""
-    from types import SimpleNamespace
-
-    from ._stability import critical_step_size
-
-    N, x, ok = np.asarray(eq.N), np.asarray(eq.x), eq.status_names() == "success"
-    out: list[float | None] = []
-    for b, s in enumerate(scns):
-        n = s.n_cells
-        if not ok[b]:
-            out.append(None)
-            continue
-        ref = SimpleNamespace(N=N[b, :n], x=x[b, :n, :n])
-        try:
-            r = critical_step_size(s, policy, nodes=nodes, equilibrium=ref)
-        except (ValueError, RuntimeError, np.linalg.LinAlgError):
-            out.append(None)
-            continue
-        out.append(None if r.critical_step_size is None else float(r.critical_step_size))
-    return out

@@ -1,21 +1,14 @@
-"""Theorem 1 verified: the integrated drift certificate and the bound's constants
-(seed §4.1, App. C.3; theory/lyapunov.md, *Theorem 1, checked*).
+"""The descriptive fit of Theorem 1's shape on a ladder of runs (theory/lyapunov.md,
+*A descriptive fit*).
 
-Two things are computed for flow routing around an equilibrium $(N^*, x^*)$:
-
-* **The certificate** of one trajectory (`batch_certificate`): the drift inequality of
-  theory/lyapunov.md integrated over $[0, T]$,
-  $$\\int_0^T\\sum_jD_j \\le [R + \\Phi](0) - [R + \\Phi](T) - \\int_0^T\\sum_i\\lambda_iS_i^\\tau
-  + \\int_0^T\\sum_{ij}\\lambda_i\\Gamma_{ij},$$
-  with every integral taken the way the tick model pairs routings and observations, so
-  that it holds for the simulated trajectory itself (its only inequality is the
-  projection's); beside it, the amount by which the trajectory exceeds the same
-  inequality read in continuous time (the discretisation excess, $O(h)$).
-* **The bound's constants** on a ladder of runs (`fit_bound`, `schedule_slope`,
-  `growth_exponent`, `empirical_eta0`, `theorem1_ladder`): time-average distances at
-  several horizons and step sizes fitted to $A/(T\\eta) + B\\eta + C/T$ with
-  $A, B, C \\ge 0$, the slope of the $\\eta = cT^{-1/2}$ schedule, the growth of $B$ with
-  the delays, and the largest step size at which the time-average distance still falls.
+Time-average distances at several horizons and step sizes are fitted to
+$A/(T\\eta) + B\\eta + C/T$ with $A, B, C \\ge 0$ (`fit_bound`), beside the slope of the
+$\\eta = cT^{-1/2}$ schedule (`schedule_slope`), the growth of the fitted $B$ with the
+delays (`growth_exponent`) and the largest step on a ladder at which the distance still
+falls (`empirical_eta0`). These describe the data: an upper bound's constants cannot be
+recovered by regression from trajectories that lie below it, so nothing here is Theorem
+1's verdict. The theorem's own constants and its verdict are `dlbfluid._theorem1.constants`
+and `dlbfluid._theorem1.check`.
 """
 
 from __future__ import annotations
@@ -27,17 +20,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float
 
-from ._costs import cost_from_name
-from ._lyapunov import (
-    _cumtrapz,
-    _delayed,
-    fit_theorem1,
-    loglog_slope,
-    workload_gap,
-    workload_potential,
-)
+from .._costs import cost_from_name
+from .._lyapunov import _cumtrapz, fit_theorem1, loglog_slope, workload_gap
+from .._policies import policy_from_name
+from .._simulate import simulate
+from .._stability import scale_delays
 
 # A ladder point lies under the fitted bound when distance <= (1 + BOUND_TOLERANCE) bound.
 BOUND_TOLERANCE = 0.25
@@ -46,179 +34,6 @@ DELAY_SHARE = 0.1
 # The distance "still falls" when its mean over [T/2, T] is below this fraction of its
 # mean over [T/4, T/2] (`window_ratio`; about 1 on a limit cycle, above 1 when it grows).
 FALLING = 0.9
-
-
-# ----------------------------------------------------------------------------------------
-# The certificate of one trajectory
-# ----------------------------------------------------------------------------------------
-
-
-class Certificate(eqx.Module):
-    """The integrated drift inequality along trajectories (arrays over the batch).
-
-    **Fields:**
-    - `lhs`: $\\int_0^T\\sum_jD_j$ (trapezoid rule on the per-tick saves).
-    - `rhs`: `routing_start + workload_start - routing_end - workload_end - delay_gap +
-      mismatch`.
-    - `routing_start`, `routing_end`: $R(0)$, $R(T)$; `workload_start`, `workload_end`:
-      $\\Phi(0)$, $\\Phi(T)$.
-    - `delay_gap`: $\\int_0^T\\sum_i\\lambda_iS^\\tau_i$, the delayed routings' slackness.
-    - `mismatch`: $\\int_0^T\\sum_{ij}\\lambda_i\\Gamma_{ij}$, in the tick model's pairing: the
-      delayed routing against the current cost in continuous time, minus
-      $h\\sum_{k=1}^{K}\\sum_i\\lambda_i(x^k_i - x^*_i)\\cdot\\hat c^k_i$, each routing against the
-      observation it was computed from.
-    - `tolerance`: the quadrature defect of the workload identity
-      $\\Phi(T) - \\Phi(0) = \\int\\sum_j(f_j - f_j^*)(\\text{inflow}_j - \\mu_j)$, plus $10^{-6}$ of
-      the terms' size: what `holds` allows for.
-    - `discretisation_excess`: $\\max(0, \\text{lhs} - \\text{rhs}_c)$, $\\text{rhs}_c$ the same
-      right-hand side read in continuous time from the saves (left-point rule, as
-      `Diagnostics.drift_excess`): first order in the tick.
-    - `holds`: `lhs <= rhs + tolerance`.
-    """
-
-    lhs: Float[Array, " B"]
-    rhs: Float[Array, " B"]
-    routing_start: Float[Array, " B"]
-    workload_start: Float[Array, " B"]
-    routing_end: Float[Array, " B"]
-    workload_end: Float[Array, " B"]
-    delay_gap: Float[Array, " B"]
-    mismatch: Float[Array, " B"]
-    tolerance: Float[Array, " B"]
-    discretisation_excess: Float[Array, " B"]
-    holds: Bool[Array, " B"]
-
-    def record(self, b: int = 0) -> dict:
-        """The JSON record of trajectory `b` (`verify`'s `certificate`; `b` is ignored for
-        the 0-d fields of one trajectory, `certificate`)."""
-        v = {}
-        for f in dataclasses.fields(self):
-            a = np.asarray(getattr(self, f.name))
-            v[f.name] = a[b] if a.ndim else a
-        return {
-            "holds": bool(v["holds"]),
-            "lhs": float(v["lhs"]),
-            "rhs": float(v["rhs"]),
-            "discretisation_excess": float(v["discretisation_excess"]),
-            "tolerance": float(v["tolerance"]),
-            "terms": {
-                k: float(v[k])
-                for k in (
-                    "routing_start",
-                    "workload_start",
-                    "routing_end",
-                    "workload_end",
-                    "delay_gap",
-                    "mismatch",
-                )
-            },
-        }
-
-
-def _certificate_impl(cost, scn, N_star, x_star, eta, h, t, N, x):
-    cost = cost_from_name(cost)
-    K = t.shape[0] - 1
-    lam = jnp.where(scn.cell_mask, scn.arrival_rate(0.0), 0.0)
-    tau = jnp.where(scn.allowed, scn.latency, 0.0)
-    g = jnp.where(scn.allowed, cost.arc(scn), 0.0)
-    f_star = cost.destination(scn, N_star)
-    c_star = jnp.where(scn.allowed, f_star[None, :] + g, 0.0)
-    allowed = scn.allowed[None]
-    dx = jnp.where(allowed, x - x_star[None], 0.0)  # (K+1, n, n)
-    w = jnp.where(eta > 0, lam / (2.0 * jnp.where(eta > 0, eta, 1.0)), 0.0)
-    R = jnp.sum(w[None] * jnp.sum(dx**2, axis=-1), axis=-1)
-    Phi0 = workload_potential(cost, scn, N[0], N_star)
-    PhiT = workload_potential(cost, scn, N[-1], N_star)
-    gap = jnp.sum(workload_gap(cost, scn, N, N_star[None]), axis=-1)
-    lhs = _cumtrapz(gap, t)[-1]
-    f = cost.destination(scn, N)  # (K+1, n)
-
-    # Tick k (k = 0..K-1) carries x^{k-m-1} on [t_k, t_k + r) and x^{k-m} after (x^0
-    # before 0), with tau = m h + r (theory/discretisation.md).
-    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)[None]
-    r = jnp.maximum(tau - m[0] * h, 0.0)[None]  # (1, n, n)
-    k = jnp.arange(K)[:, None, None]
-    rows = jnp.arange(tau.shape[0])[None, :, None]
-    cols = jnp.arange(tau.shape[1])[None, None, :]
-    prev = dx[jnp.maximum(k - m - 1, 0), rows, cols]  # (K, n, n)
-    cur = dx[jnp.maximum(k - m, 0), rows, cols]
-    # f_j(N_j(t)) linear on each tick: its integral over [0, r) and [r, h).
-    f0, f1 = f[:-1][:, None, :], f[1:][:, None, :]
-    first = r * f0 + (f1 - f0) * r**2 / (2.0 * h)
-    second = 0.5 * h * (f0 + f1) - first
-    lam3 = lam[None, :, None]
-    gk = g[None]
-    seen_now = jnp.sum(lam3 * (prev * (first + gk * r) + cur * (second + gk * (h - r))))
-    delay_gap = jnp.sum(lam3 * c_star[None] * (prev * r + cur * (h - r)))
-    # Each routing x^k (k >= 1) with the observation c(N(t_k - tau)) it was computed from.
-    N_del = _delayed(N, h, tau, jnp.arange(K + 1), piecewise_constant=False)
-    c_seen = jnp.where(allowed, cost.destination(scn, N_del) + g[None], 0.0)
-    paired = jnp.sum(lam[None, :, None] * dx * c_seen, axis=(-2, -1))  # (K+1,)
-    mismatch = seen_now - h * jnp.sum(paired[1:])
-    rhs = R[0] + Phi0 - R[-1] - PhiT - delay_gap + mismatch
-    defect = (PhiT - Phi0) - (seen_now - delay_gap) + lhs
-    size = R[0] + Phi0 + lhs + jnp.abs(delay_gap) + jnp.abs(mismatch)
-    tol = jnp.abs(defect) + 1e-6 * size
-
-    # The same inequality read in continuous time (left-point rule on ticks).
-    x_del = _delayed(x, h, tau, jnp.arange(K + 1), piecewise_constant=True)
-    dx_del = jnp.where(allowed, x_del - x_star[None], 0.0)
-    c_now = jnp.where(allowed, f[:, None, :] + g[None], 0.0)
-    slack_del = jnp.sum(lam[None, :, None] * dx_del * c_star[None], axis=(-2, -1))
-    gamma = jnp.sum(lam[None, :, None] * (dx_del * c_now - dx * c_seen), axis=(-2, -1))
-    dt = jnp.diff(t)
-    rhs_c = R[0] + Phi0 - R[-1] - PhiT - jnp.sum(slack_del[:-1] * dt) + jnp.sum(gamma[:-1] * dt)
-    return Certificate(
-        lhs=lhs,
-        rhs=rhs,
-        routing_start=R[0],
-        workload_start=Phi0,
-        routing_end=R[-1],
-        workload_end=PhiT,
-        delay_gap=delay_gap,
-        mismatch=mismatch,
-        tolerance=tol,
-        discretisation_excess=jnp.maximum(lhs - rhs_c, 0.0),
-        holds=lhs <= rhs + tol,
-    )
-
-
-@eqx.filter_jit
-def batch_certificate(cost, scn, N_star, x_star, eta, h, t, N, x) -> Certificate:
-    """`Certificate` of a batch of trajectories saved at every tick (leading axis on every
-    argument but `cost`: the stripped scenarios, $N^*$, $x^*$, the per-router steps
-    $\\eta_i$, the tick, `Solution.t`, `.N`, `.x`), one compile per shape."""
-    return jax.vmap(lambda *a: _certificate_impl(cost, *a))(scn, N_star, x_star, eta, h, t, N, x)
-
-
-def certificate(solution, scenario, equilibrium, *, cost: str, step_size) -> Certificate:
-    """The integrated drift certificate of one flow-routing trajectory (module docstring).
-
-    **Arguments:** as `lyapunov_diagnostics`: an unbatched `Solution` saved at every tick,
-    its `Scenario` (constant arrival rates), the equilibrium (`N`, `x`) of `cost`, and the
-    step size $\\eta$ (scalar or per router).
-
-    **Returns:** a `Certificate` of 0-d arrays.
-
-    **Raises:** `ValueError` for a batched solution or one not saved at every tick.
-    """
-    from ._lyapunov import _check_per_tick
-
-    t, h = _check_per_tick(solution)
-    n = scenario.n_cells
-    eta = jnp.broadcast_to(jnp.asarray(step_size, t.dtype), (n,))
-    one = batch_certificate(
-        cost_from_name(cost),
-        jax.tree_util.tree_map(lambda a: a[None], scenario.strip()),
-        jnp.asarray(equilibrium.N)[None, ..., :n],
-        jnp.asarray(equilibrium.x)[None, ..., :n, :n],
-        eta[None],
-        jnp.asarray(h, t.dtype)[None],
-        t[None],
-        jnp.asarray(solution.N)[None],
-        jnp.asarray(solution.x)[None],
-    )
-    return jax.tree_util.tree_map(lambda a: a[0], one)
 
 
 # ----------------------------------------------------------------------------------------
@@ -401,8 +216,6 @@ def _runs(starts, equilibria, cost, policy, table, horizon, tick, hidx):
     """Simulate the run `table` (`(scenario index, delay scale, step)`) as one batch from
     the `starts` (`{scale: batch}`); time-average distances at the save indices `hidx`
     (ticks), `(len(table), len(hidx))` (`nan` for failed runs or missing steps)."""
-    from ._simulate import simulate
-
     if not table:
         return np.zeros((0, len(hidx)))
     bs = np.asarray([b for b, _, _ in table])
@@ -482,9 +295,6 @@ def theorem1_ladder(
     `keep_points`, also `points`: every run's `kind`, `tau_scale`, `eta` and its `distance`
     at the horizons `T`.
     """
-    from ._policies import policy_from_name
-    from ._stability import scale_delays
-
     cost = policy_from_name(policy).cost
     Bn = scenario.batch_shape[0]
     n_real = Bn if n_real is None else n_real
