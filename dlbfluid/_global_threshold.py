@@ -36,12 +36,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._devices import per_device, shard_batch
 from ._integrators import Fast
 from ._lyapunov import workload_gap
 from ._projection import project_simplex
 from ._results import RESULTS
 from ._scenario import Scenario
-from ._simulate import _hist_len, _init_state, _setup, _tick, _window_width
+from ._simulate import (
+    _chosen_chunk,
+    _chunked,
+    _hist_len,
+    _init_state,
+    _setup,
+    _tick,
+    _window_width,
+)
 from ._stability import _flow_policy
 
 __all__ = ["WorkloadStats", "WorstCaseSearch", "global_threshold", "non_decaying"]
@@ -201,11 +210,10 @@ def _gap(cost, scn, N, N_star):
     return jnp.sum(workload_gap(cost, scn, N, N_star), axis=-1)
 
 
-@eqx.filter_jit
-def _late_stats(scn, eta, h, N_star, policy, integrator, *, K: int, hist: int, window: int):
-    """`WorkloadStats` of every run of the flattened batch (`scn`, `eta` `(M, n)`, `N_star`
-    `(M, n)`), `K` ticks of `h`, one vmapped tick per loop pass (as `simulate` runs a batch
-    whose scenarios share their ticks)."""
+def _late_stats_chunk(scn, eta, N_star, h_b, K_b, *, policy, integrator, hist, window):
+    """`WorkloadStats` of one chunk of runs (`_late_stats`); `h_b`, `K_b` `(M,)` hold the
+    batch's common tick and tick count."""
+    h, K = h_b[0], K_b[0]
     M, n = eta.shape
     dtype = eta.dtype
     hh = jnp.full((M,), h, dtype)
@@ -278,6 +286,27 @@ def _late_stats(scn, eta, h, N_star, policy, integrator, *, K: int, hist: int, w
         final_N=state.N,
         final_x=state.x,
     )
+
+
+def _late_stats_impl(scn, eta, N_star, h_b, K_b, *, chunk, **static):
+    return _chunked(functools.partial(_late_stats_chunk, **static), chunk)(
+        scn, eta, N_star, h_b, K_b
+    )
+
+
+@eqx.filter_jit
+def _late_stats(scn, eta, N_star, h_b, K_b, policy, integrator, *, hist, window, chunk):
+    """`WorkloadStats` of every run of the flattened batch (`scn`, `eta` `(M, n)`, `N_star`
+    `(M, n)`, the common tick and tick count repeated in `h_b`, `K_b` `(M,)`; both traced,
+    so one compilation serves every horizon). As `simulate` runs a batch whose scenarios
+    share their ticks: each device runs its share (`per_device`), in chunks of `chunk`
+    runs one after the other (`_chunked`: on a CPU a chunk's tick stays in cache), with
+    one vmapped tick per pass of a loop whose bounds are scalars."""
+    impl = functools.partial(
+        _late_stats_impl, policy=policy, integrator=integrator, hist=hist, window=window,
+        chunk=chunk,
+    )  # fmt: skip
+    return per_device(impl)(scn, eta, N_star, h_b, K_b)
 
 
 @eqx.filter_jit
@@ -425,6 +454,11 @@ class _Search(NamedTuple):
 
 def _search(batch: Scenario, policy, equilibrium, eta_star, config: WorstCaseSearch) -> _Search:
     pol = _flow_policy(policy)
+    if not jax.config.read("jax_enable_x64"):
+        raise ValueError(
+            "global_threshold computes in float64, which needs JAX's x64 mode, and it is off: "
+            'call jax.config.update("jax_enable_x64", True) first'
+        )
     if not isinstance(config, WorstCaseSearch):
         raise ValueError(f"config = {config!r} is invalid: expected a WorstCaseSearch")
     if len(batch.batch_shape) != 1:
@@ -469,10 +503,23 @@ def _search(batch: Scenario, policy, equilibrium, eta_star, config: WorstCaseSea
             jnp.asarray(config.ascent_rate, jnp.float64),
             K=Ka, steps=config.ascent_steps, hist=hist, window=window,
         )  # fmt: skip
+    # Split the runs over this process's devices (one per core after `use_cpu_cores`),
+    # the last run repeated to fill the last device's share.
+    M = R * S * B
+    ndev = jax.local_device_count()
+    pad = (-M) % ndev
+    runs = (_with_start(flat_scn, N0f, x0f), eta, Ns)
+    if pad:
+        runs = jax.tree_util.tree_map(
+            lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), runs
+        )
+    ticks = (jnp.full((M + pad,), h), jnp.full((M + pad,), K))
+    (scn_r, eta_r, Ns_r), (h_r, K_r) = shard_batch((runs, ticks))
+    chunk = _chosen_chunk(None, n, (M + pad) // ndev)
     stats = _late_stats(
-        _with_start(flat_scn, N0f, x0f), eta, hj, Ns, pol, integrator,
-        K=K, hist=hist, window=window,
-    )  # fmt: skip
+        scn_r, eta_r, Ns_r, h_r, K_r, pol, integrator, hist=hist, window=window, chunk=chunk
+    )
+    stats = jax.tree_util.tree_map(lambda a: np.asarray(a)[:M], stats)
     shape = (R, S, B)
     return _Search(
         ladder=ladder,

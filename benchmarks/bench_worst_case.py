@@ -1,0 +1,185 @@
+"""Issue #30 item 5: the worst-case search for the global threshold eta_g, timed.
+
+    python benchmarks/bench_worst_case.py [--scenarios 100] [--starts 16 32 64]
+        [--horizon 300] [--tick 0.05] [--rungs-below 4] [--rungs-above 2] [--policy flow-grad]
+
+Random networks of `dlbfluid verify` (`draw_scenario(seed, i)`, 2-6 cells, padded to 6),
+their equilibria and batched critical steps eta* (not timed), then for each starts count
+one `global_threshold` call: every rung x start x scenario as one vmapped batch on this
+process's devices (one per core: `use_cpu_cores` is called first). Compile time apart: a
+warm-up call with a horizon of 20 ticks compiles the program (the horizon is traced, so
+the timed call reuses it); the timed call is the whole search at `--horizon`.
+
+First the symmetric pair at tau = 0.5 (flow-grad), searched at tick 0.05 and 0.01 with
+`--pair-starts` starts: eta_g/eta*, the witness, the cycle's amplitude and period, which
+must not move with the tick.
+
+Prints one JSON object on stdout (the pair; per starts count: runs, run-ticks, compile and run
+seconds, microseconds per run-tick; and the search's outcome at the largest count:
+bistable fraction, eta_g/eta* quantiles, Hopf directions), a summary on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import dlbfluid as dl
+
+dl.use_cpu_cores()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)  # float64, whether or not the import enables it
+import numpy as np  # noqa: E402
+
+from dlbfluid._global_threshold import WorstCaseSearch, global_threshold  # noqa: E402
+from dlbfluid._verify import draw_scenario  # noqa: E402
+
+
+def _batch(seed: int, count: int):
+    scns = []
+    for i in range(count):
+        d = draw_scenario(seed, i, n_cells=(2, 6))
+        scns.append(
+            dl.scenario_from_dict({k: v for k, v in d.items() if k not in ("index", "utilisation")})
+        )
+    return dl.stack_scenarios(scns, n_cells=6)
+
+
+def _pair(starts: int) -> dict:
+    """The symmetric pair of tests/helpers.py (one source, two M/M/1 cells, tau = 0.5),
+    flow-grad, searched at tick 0.05 and 0.01 (300 s, rungs 0.75-0.95 and 1.05-1.10 eta*)."""
+    d = {
+        "name": "symmetric-pair",
+        "cells": [
+            {"name": "origin", "arrival_rate": 1.0, "service": {"model": "mm1", "capacity": 1.0}},
+            {"name": "left", "arrival_rate": 0.0, "service": {"model": "mm1", "capacity": 1.0}},
+            {"name": "right", "arrival_rate": 0.0, "service": {"model": "mm1", "capacity": 1.0}},
+        ],
+        "latency": [[None, 0.5, 0.5], [None, 0.0, None], [None, None, 0.0]],
+    }
+    batch = dl.stack_scenarios([dl.scenario_from_dict(d)])
+    eq = dl.solve_equilibrium(batch, "gradient", throw=False, check=False)
+    es = np.asarray(dl.batch_critical_step_size(batch, "flow-grad", eq).critical_step_size)
+    out = {"eta_star": float(es[0])}
+    for tick in (0.05, 0.01):
+        cfg = WorstCaseSearch(starts=starts, rungs_below=6, rungs_above=2, tick=tick)
+        t0 = time.perf_counter()
+        rec = global_threshold(batch, "flow-grad", eq, es, config=cfg)[0]
+        rec["eta_global_over_eta_star"] = rec["eta_global"] / float(es[0])
+        rec["wall_s"] = round(time.perf_counter() - t0, 2)
+        out[f"tick_{tick}"] = rec
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", type=int, default=100)
+    ap.add_argument("--starts", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--horizon", type=float, default=300.0)
+    ap.add_argument("--tick", type=float, default=0.05)
+    ap.add_argument("--rungs-below", type=int, default=4)
+    ap.add_argument("--rungs-above", type=int, default=2)
+    ap.add_argument("--policy", default="flow-grad")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pair-starts", type=int, default=16)
+    args = ap.parse_args(argv)
+    pair = _pair(args.pair_starts)
+    print(json.dumps({"pair": pair}), file=sys.stderr)
+
+    batch = _batch(args.seed, args.scenarios)
+    cost = dl.policy_from_name(args.policy).cost
+    eq = dl.solve_equilibrium(batch, cost, throw=False, check=False)
+    crit = dl.batch_critical_step_size(batch, args.policy, eq)
+    ok = eq.status_names() == "success"
+    eta_star = np.where(ok, np.asarray(crit.critical_step_size), np.nan)
+    rungs = args.rungs_below + args.rungs_above
+    K = int(round(args.horizon / args.tick))
+
+    runs = []
+    out = None
+    for S in args.starts:
+        cfg = WorstCaseSearch(
+            starts=S,
+            rungs_below=args.rungs_below,
+            rungs_above=args.rungs_above,
+            horizon=args.horizon,
+            tick=args.tick,
+        )
+        warm = WorstCaseSearch(
+            starts=S,
+            rungs_below=args.rungs_below,
+            rungs_above=args.rungs_above,
+            horizon=20 * args.tick,
+            tick=args.tick,
+        )
+        t0 = time.perf_counter()
+        global_threshold(batch, args.policy, eq, eta_star, config=warm)
+        t1 = time.perf_counter()
+        out = global_threshold(batch, args.policy, eq, eta_star, config=cfg)
+        t2 = time.perf_counter()
+        n_runs = rungs * S * args.scenarios
+        row = {
+            "starts": S,
+            "runs": n_runs,
+            "run_ticks": n_runs * K,
+            "compile_s": round(t1 - t0, 2),
+            "run_s": round(t2 - t1, 2),
+            "us_per_run_tick": round(1e6 * (t2 - t1) / (n_runs * K), 4),
+        }
+        runs.append(row)
+        print(json.dumps(row), file=sys.stderr)
+
+    assert out is not None
+    usable = np.isfinite(eta_star) & (eta_star > 0)
+    ratio = np.array(
+        [
+            r["eta_global"] / e if r["eta_global"] is not None else np.nan
+            for r, e in zip(out, np.where(usable, eta_star, 1.0))
+        ]
+    )
+    ratio = ratio[usable]
+    bist = np.array([bool(r["bistable"]) for r, u in zip(out, usable) if u])
+    below = np.array([r["bistable"] and r["eta_global"] is None for r in out])
+    hopf = [r["hopf"] for r, u in zip(out, usable) if u]
+
+    def q(v):
+        v = v[np.isfinite(v)]
+        if v.size == 0:
+            return None
+        return {k: float(np.quantile(v, p)) for k, p in (("q10", 0.1), ("q50", 0.5), ("q90", 0.9))}
+
+    result = {
+        "benchmark": "worst_case_search",
+        "policy": args.policy,
+        "scenarios": args.scenarios,
+        "usable_eta_star": int(usable.sum()),
+        "rungs": rungs,
+        "ladder_ratio": 1.05,
+        "horizon": args.horizon,
+        "tick": args.tick,
+        "devices": f"{jax.local_device_count()} x {jax.devices()[0].platform}",
+        "machine": platform.processor() or platform.machine(),
+        "pair_tau_0.5": pair,
+        "timings": runs,
+        "scaling_in_starts": {
+            f"{a['starts']}->{b['starts']}": round(b["run_s"] / a["run_s"], 2)
+            for a, b in zip(runs, runs[1:])
+        },
+        f"outcome_at_{args.starts[-1]}_starts": {
+            "bistable_fraction": float(bist.mean()) if bist.size else None,
+            "below_ladder_fraction": float(below[usable].mean()) if usable.any() else None,
+            "eta_global_over_eta_star": q(ratio),
+            "hopf": {k: hopf.count(k) for k in ("subcritical", "supercritical", None)},
+        },
+    }
+    print(json.dumps(result, indent=1, default=lambda v: None if v is None else str(v)))
+    return result
+
+
+if __name__ == "__main__":
+    main()
