@@ -225,7 +225,7 @@ def test_fifo_server_sojourn_is_exponential():
         trials=256,
         horizon=20.0,
         warmup=5.0,
-        tick=0.05,
+        tick=0.25,
         n_save=4,
     )
     theta = MU - LAM

@@ -211,7 +211,11 @@ def simulate_requests(
     if dtype not in (jnp.dtype(jnp.float64), jnp.dtype(jnp.float32)):
         raise _bad("dtype", str(dtype), "allowed float64 or float32")
     if dtype == jnp.float64 and not jax.config.read("jax_enable_x64"):
-        raise ValueError("dtype = float64 needs jax_enable_x64 (dlbfluid enables it on import)")
+        raise ValueError(
+            "dtype = float64 is invalid while JAX's x64 mode is off: call "
+            "dlbfluid.enable_x64() or jax.config.update('jax_enable_x64', True) first, or "
+            "pass dtype=jnp.float32"
+        )
     if not isinstance(scenario, Scenario):
         raise _bad("scenario", type(scenario).__name__, "expected a Scenario")
     batched = len(scenario.batch_shape) == 1
