@@ -188,16 +188,23 @@ def test_static_network_matches_simpy(markov):
         simpy_network(
             scn, x, horizon=MARKOV["horizon"], warmup=MARKOV["warmup"], seed=s, rate_table=table
         )
-        for s in range(32)
+        for s in range(96)
     ]
     ref_mean = mean_se([r.mean() for r in runs])
-    ref_p90 = mean_se([np.quantile(r, 0.9) for r in runs])
+    # Per-run p90 by the same estimator on both sides (the histogram's): with ~70 requests
+    # a run, estimators of a quantile differ by O(1/n) in probability (np.quantile's
+    # interpolation between order statistics sits 0.1 s lower here).
+    hist = markov.histogram_bins
+    bins = np.split(
+        np.asarray(hist.index(jnp.asarray(np.concatenate(runs)))),
+        np.cumsum([r.size for r in runs])[:-1],
+    )  # one call: one compiled shape
+    counts = np.stack([np.bincount(b, minlength=hist.bins + 2) for b in bins])
+    ref_p90 = mean_se(hist.percentile(jnp.asarray(counts), 0.9))
     ours_mean = mean_se(markov.mean_latency()[1])
     ours_p90 = mean_se(markov.percentile(0.9)[1])
-    res = markov.histogram_bins.resolution
-    for ours, ref, extra in ((ours_mean, ref_mean, 0.0), (ours_p90, ref_p90, res * ref_p90[0])):
-        se = math.hypot(ours[1], ref[1])
-        assert within(ours[0], ref[0], se, extra), (ours, ref)
+    for ours, ref in ((ours_mean, ref_mean), (ours_p90, ref_p90)):
+        assert within(ours[0], ref[0], math.hypot(ours[1], ref[1])), (ours, ref)
     assert np.array_equal(np.asarray(markov.final_x[1, 0]), x)  # static routing held
 
 
