@@ -275,7 +275,7 @@ def verify(
     seed: int = 0,
     *,
     out_dir: str | Path | None = None,
-    chunk: int = 32,
+    chunk: int | None = None,
     n_cells: tuple[int, int] = (2, 6),
     horizon: float = 200.0,
     tick: float = 0.05,
@@ -368,7 +368,7 @@ def verify(
         )
     for name, v, ok in (
         ("n_scenarios", n_scenarios, isinstance(n_scenarios, int) and n_scenarios >= 1),
-        ("chunk", chunk, isinstance(chunk, int) and chunk >= 1),
+        ("chunk", chunk, chunk is None or (isinstance(chunk, int) and chunk >= 1)),
         ("step_fraction", step_fraction, 0 < step_fraction),
     ):
         if not ok:
@@ -459,10 +459,11 @@ def verify(
         report = None
     if report:
         report(len(done), n_scenarios, t_start)
-    # A chunk wider than the run would only simulate padding, and a short run in one chunk
-    # would show no progress until its end: at least four chunks where the run allows
-    # (records do not depend on the chunk).
-    chunk = min(chunk, max(1, -(-n_scenarios // 4)))
+    # A chunk wider than the run would only simulate padding; by default a short run gets
+    # at least four chunks, so that it shows progress before its end (records do not
+    # depend on the chunk).
+    chunk = min(DEFAULT_CHUNK, max(1, -(-n_scenarios // 4))) if chunk is None else chunk
+    chunk = min(chunk, n_scenarios)
     chunks = [todo[c0 : c0 + chunk] for c0 in range(0, len(todo), chunk)]
     # Each process computes whole chunks, the next `procs.count` of them at a time (one
     # each), so every scenario is computed in the chunk a one-process run gives it, and
@@ -514,6 +515,9 @@ def verify(
     summary["records"] = records
     return summary
 
+
+DEFAULT_CHUNK = 32
+"""Scenarios per compiled batch of `verify` unless a run of fewer than 128 asks for less."""
 
 # The command-line option of each field of the manifest, for its messages.
 _FLAGS = {

@@ -38,7 +38,7 @@ steps, extra, out, result = json.loads(Path(sys.argv[1]).read_text()), json.load
 me = int(os.environ.get("DRIVER_PROCESS", "0"))
 chunks = []
 
-def records(idx, seed, source, pols, chunk, *rest):
+def records(idx, seed, source, pols, chunk, *rest, **kw):
     assert 1 <= len(idx) <= chunk
     chunks.append(list(idx))
     out = []
@@ -54,7 +54,7 @@ def records(idx, seed, source, pols, chunk, *rest):
             for p, _ in pols}})
     return out
 
-def boom(*args):
+def boom(*args, **kw):
     raise RuntimeError("injected")
 
 done = []

@@ -45,7 +45,7 @@ def chunks(monkeypatch):
     chunks computed."""
     log = []
 
-    def records(idx, seed, source, pols, chunk, n_cells, tick, horizon, *rest):
+    def records(idx, seed, source, pols, chunk, n_cells, tick, horizon, *rest, **kw):
         assert 1 <= len(idx) <= chunk
         log.append(list(idx))
         out = []

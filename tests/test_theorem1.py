@@ -1,6 +1,7 @@
-"""Theorem 1 verified: the drift certificate, the bound's constants with the right signs,
-the empirical eta0, and critical step sizes of a whole batch (theory/lyapunov.md,
-*Theorem 1, checked*; theory/stability.md §7).
+"""The routers' projection check, the descriptive fit of Theorem 1's shape (constants with
+the right signs, the empirical eta0), critical step sizes of a whole batch, and verify's
+records (theory/lyapunov.md, *The projection check*, *A descriptive fit*; theory/stability.md
+§7). Theorem 1's own constants and verdict: tests/test_theorem1_bound.py.
 
 Every batch here has the shape of tests/test_verify.py's chunks (2 scenarios, 3 cells),
 so the compiled programs are shared through the run's compilation cache."""
@@ -21,11 +22,12 @@ from dlbfluid._lyapunov import fit_theorem1
 from dlbfluid._scenario import scenario_from_dict, stack_scenarios
 from dlbfluid._stability import critical_step_size
 from dlbfluid._theorem1 import (
-    certificate,
+    ESTIMATES,
     delay_share,
     empirical_eta0,
     fit_bound,
     growth_exponent,
+    projection_check,
     schedule_constant,
     schedule_slope,
     window_ratio,
@@ -64,7 +66,7 @@ def test_batched_critical_step_size_matches_the_pseudospectral_loop(policy, cost
     """The argument-principle bisection polished by Newton (one compiled call per batch)
     against `critical_step_size` (pseudospectral, 16 nodes, 1e-13 bisection), one scenario
     at a time: 1e-9 relative in eta*, 1e-6 in the crossing frequency."""
-    (scns, batch, eq), = _pairs(dicts, cost)
+    ((scns, batch, eq),) = _pairs(dicts, cost)
     got = batch_critical_step_size(batch, policy, eq)
     assert list(got.status_names()) == ["success"] * 2
     for b, s in enumerate(scns):
@@ -84,7 +86,7 @@ def test_batched_critical_step_size_special_cases():
     """The symmetric pair against its closed form (theory/stability.md §2) at two delays;
     per-router weights scale eta* as `step_weights` do; no delay on any support arc:
     stable for every step (inf)."""
-    (_, batch, eq), = _pairs([symmetric_pair(0.5), symmetric_pair(2.0)], "gradient")
+    ((_, batch, eq),) = _pairs([symmetric_pair(0.5), symmetric_pair(2.0)], "gradient")
     w = np.ones((2, 3))
     w[1, 0] = 2.0  # the second pair's only router steps twice as fast
     got = batch_critical_step_size(batch, "flow-grad", eq, step_weights=w)
@@ -93,7 +95,7 @@ def test_batched_critical_step_size_special_cases():
         assert float(got.critical_step_size[b]) == pytest.approx(closed, rel=1e-10)
     d0 = copy.deepcopy(THREE)
     d0["latency"] = [[0.0] * 3] * 3
-    (_, batch, eq), = _pairs([d0, d0], "gradient")
+    ((_, batch, eq),) = _pairs([d0, d0], "gradient")
     assert np.all(np.isinf(np.asarray(batch_critical_step_size(batch, "flow-grad", eq)
                                       .critical_step_size)))  # fmt: skip
     with pytest.raises(ValueError, match="one batch axis"):
@@ -107,11 +109,11 @@ def three_runs():
     out = {}
     for h in (0.04, 0.02):  # (the runs of tests/test_lyapunov.py: shared compilations)
         sol = dl.simulate(s, "flow-grad", step_size=0.3, tick=h, horizon=20.0, n_save=round(20 / h))
-        out[h] = certificate(sol, s, eq, cost="gradient", step_size=0.3)
+        out[h] = projection_check(sol, s, eq, cost="gradient", step_size=0.3)
     return out
 
 
-def test_certificate_holds_and_its_terms_add_up(three_runs):
+def test_projection_check_holds_and_its_terms_add_up(three_runs):
     """lhs <= rhs + tolerance along flow-grad on the 3-cell network with unequal delays;
     rhs is exactly the sum of its reported terms; the tolerance (the quadrature defect of
     the workload identity) is second order in the tick."""
@@ -127,7 +129,7 @@ def test_certificate_holds_and_its_terms_add_up(three_runs):
     assert np.log(tol[0] / tol[1]) / np.log(2.0) > 1.7
 
 
-def test_certificate_discretisation_excess_is_first_order(three_runs):
+def test_projection_check_discretisation_excess_is_first_order(three_runs):
     """The excess over the continuous-time inequality shrinks like h (measured 0.0129,
     0.0057, 0.0025 at h = 0.04, 0.02, 0.01: order 1.2)."""
     hs = np.array([0.04, 0.02])
@@ -138,12 +140,12 @@ def test_certificate_discretisation_excess_is_first_order(three_runs):
     assert ex[-1] < 0.5 * hs[-1]
 
 
-def test_certificate_requires_per_tick_saves():
+def test_projection_check_requires_per_tick_saves():
     s = dl.scenario_from_dict(THREE)
     eq = solve_equilibrium(s, "gradient")
     sol = dl.simulate(s, "flow-grad", step_size=0.3, tick=0.05, horizon=2.0, n_save=10)
     with pytest.raises(ValueError, match="n_save equal to the number of ticks"):
-        certificate(sol, s, eq, cost="gradient", step_size=0.3)
+        projection_check(sol, s, eq, cost="gradient", step_size=0.3)
 
 
 def test_nonnegative_fit_and_verdict():
@@ -187,6 +189,7 @@ def test_slopes_exponents_and_eta0_on_synthetic_data():
     assert schedule_slope(T, 3.0 * T**-0.5) == pytest.approx(-0.5, rel=1e-12)
     assert growth_exponent([1.0, 2.0, 4.0], [0.1, 0.4, 1.6]) == pytest.approx(2.0, rel=1e-12)
     assert growth_exponent([1.0, 2.0, 4.0], [0.0, 0.0, 1.0]) is None
+
     # D = e^{2 alpha t}: the window ratio is e^{2 alpha (3T/8)}-like, < 1 iff alpha < 0.
     def tad(alpha):
         cum = (np.exp(2 * alpha * T) - 1) / (2 * alpha)
@@ -211,28 +214,36 @@ def catalogue_ladder():
 
 def test_catalogue_ladder(catalogue_ladder):
     """The symmetric pair of theory/stability.md and the non-symmetric 3-cell network:
-    the certificate holds at 0.3 eta*, eta0/eta* lies in [0.75, 1.33] (ladder ratio 1.15),
-    and the fitted constants are non-negative."""
+    the projection check holds at 0.3 eta*, the empirical eta0/eta* lies in [0.75, 1.33]
+    (ladder ratio 1.15), and the fitted constants are non-negative; the proof's eta0 is
+    orders of magnitude below eta*, so the run at 0.3 eta* is outside the hypothesis and
+    its bound is a reference, not a verdict."""
     for rec in catalogue_ladder["records"]:
         p = rec["policies"]["flow-grad"]
         assert p["eta_over_eta_star"] == pytest.approx(0.3, rel=1e-12)
-        assert p["certificate"]["holds"]
-        assert 0.75 <= p["eta0_over_eta_star"] <= 1.33
+        assert p["projection_check"]["holds"]
+        assert 0.75 <= p["empirical_eta0_over_eta_star"] <= 1.33
+        th = p["theorem1"]
+        assert th["in_hypothesis"] is False and th["holds"] is None and th["eta0"] > 0
+        assert p["thresholds"]["eta0"] < 1e-2 * p["thresholds"]["eta_star"]
         b = p["bound"]
         assert min(b["A"], b["B"], b["C"]) >= 0 and b["fit_rel_rms"] >= 0
         assert isinstance(b["holds"], bool)
         assert set(p["g1_by_tau_scale"]) == {"1.0", "2.0"}
         assert p["schedule_slope"] < 0
     s = catalogue_ladder["policies"]["flow-grad"]
-    assert s["certificate_holds_fraction"] == 1.0
-    for key in ("bound_holds_fraction", "A", "B", "C", "schedule_slope", "eta0_over_eta_star"):
+    assert s["projection_check_holds_fraction"] == 1.0
+    assert s["in_hypothesis_fraction"] == 0.0 and s["theorem1_holds_fraction"] is None
+    for key in ("bound_holds_fraction", "A", "B", "C", "schedule_slope", "eta0_over_eta_star",
+                "empirical_eta0_over_eta_star"):  # fmt: skip
         assert key in s
 
 
 def test_verify_json_contract_and_options(tmp_path, capsys):
-    """--ladder none (the default): every record gains the certificate and null ladder
-    keys beside the old ones; --policy, --generator appb, --step-rule paper and --scenario
-    run; a bad --policy names the allowed ones."""
+    """--ladder none (the default): every record gains theorem1, thresholds, the
+    projection check and null ladder keys beside the old ones; --policy, --generator appb,
+    --step-rule paper and --scenario run; --step-base eta0 runs inside the hypothesis and
+    the bound holds there; a bad --policy names the allowed ones."""
     rc = main(["verify", "--scenarios", "2", "--seed", "3", "--chunk", "2", "--min-cells", "2",
                "--max-cells", "3", "--horizon", "20", "--tick", "0.1", "--json", "--policy",
                "flow-grad", "--generator", "appb", "--step-rule", "paper"])  # fmt: skip
@@ -243,10 +254,20 @@ def test_verify_json_contract_and_options(tmp_path, capsys):
     old = {"step_size", "critical_step_size", "eta_over_eta_star", "time_average_distance",
            "final_distance", "oscillation", "converged", "status", "equilibrium_status",
            "kkt_residual"}  # fmt: skip
-    new = {"certificate", "bound", "schedule_slope", "g1_growth_exponent", "empirical_eta0"}
+    new = {"theorem1", "thresholds", "projection_check", "bound", "schedule_slope",
+           "g1_growth_exponent", "empirical_eta0", "empirical_eta0_over_eta_star"}  # fmt: skip
     assert old | new <= set(rec)
-    assert set(rec["certificate"]) >= {"holds", "lhs", "rhs", "discretisation_excess", "terms"}
-    assert set(rec["certificate"]["terms"]) == {"routing_start", "workload_start",
+    assert set(rec["theorem1"]) >= {"eta0", "G1", "A", "C", "N_bar", "in_hypothesis", "bound",
+                                    "measured", "holds", "tightness", "estimates"}  # fmt: skip
+    assert set(rec["theorem1"]["C_parts"]) >= {"K1", "Kb", "KH", "K4"}
+    assert set(rec["theorem1"]["estimates"]) == set(ESTIMATES)
+    for e in rec["theorem1"]["estimates"].values():
+        assert set(e) == {"measured", "bound", "holds"} and e["holds"] is True
+    assert set(rec["thresholds"]) == {"eta0", "eta_star", "eta_global", "bistable", "hopf",
+                                      "witness", "cycle_amplitude", "cycle_period"}  # fmt: skip
+    assert set(rec["projection_check"]) >= {"holds", "lhs", "rhs", "discretisation_excess",
+                                            "terms"}  # fmt: skip
+    assert set(rec["projection_check"]["terms"]) == {"routing_start", "workload_start",
                                                 "routing_end", "workload_end", "delay_gap",
                                                 "mismatch"}  # fmt: skip
     assert rec["bound"] is None and len(rec["step_sizes"]) == res["scenarios"][0]["n_cells"]
@@ -258,6 +279,20 @@ def test_verify_json_contract_and_options(tmp_path, capsys):
     assert rc == 0
     one = json.loads(capsys.readouterr().out)
     assert one["summary"]["scenarios"] == 1 and one["scenarios"][0]["n_cells"] == 3
+    summ = one["summary"]["policies"]["flow-grad"]
+    for key in ("in_hypothesis_fraction", "theorem1_holds_fraction", "tightness",
+                "eta0_over_eta_star", "eta_global_over_eta_star", "bistable_fraction",
+                "estimates_hold_fraction"):  # fmt: skip
+        assert key in summ
+    rc = main(["verify", "--scenario", str(f), "--chunk", "2", "--max-cells", "3", "--horizon",
+               "20", "--tick", "0.1", "--json", "--policy", "flow-grad", "--step-base", "eta0",
+               "--step-fraction", "1"])  # fmt: skip
+    assert rc == 0
+    at0 = json.loads(capsys.readouterr().out)
+    th = at0["scenarios"][0]["policies"]["flow-grad"]["theorem1"]
+    assert th["in_hypothesis"] is True and th["holds"] is True
+    assert th["eta_over_eta0"] == pytest.approx(1.0, rel=1e-12)
+    assert at0["summary"]["policies"]["flow-grad"]["theorem1_holds_fraction"] == 1.0
     assert main(["verify", "--policy", "disc-grad", "--scenarios", "1"]) == 2
     assert "--policy = 'disc-grad' is invalid" in capsys.readouterr().err
 
@@ -268,7 +303,7 @@ def test_manifest_records_the_new_settings(tmp_path, monkeypatch):
     the option; nothing is computed (records are faked)."""
     import dlbfluid._verify
 
-    def records(idx, seed, source, pols, chunk, *rest):
+    def records(idx, seed, source, pols, chunk, *rest, **kw):
         return [{"index": i, "n_cells": 2, "utilisation": 0.5,
                  "policies": {p: {"converged": True, "status": "success",
                                   "time_average_distance": 0.1, "final_distance": 0.1,

@@ -102,8 +102,9 @@ def register(sub) -> None:
     p.add_argument(
         "--chunk",
         type=positive_int("chunk"),
-        default=32,
-        help="scenarios per compiled batch and per write (default 32)",
+        default=None,
+        help="scenarios per compiled batch and per write (default 32, or a quarter of a "
+        "smaller run so that it shows progress)",
     )
     p.add_argument(
         "--min-cells", type=int_in("min-cells", 2), default=2, help="fewest cells (default 2)"
