@@ -18,8 +18,9 @@ starts find it. This module searches for such starts (theory/global_threshold.md
   (`jax.grad`, checkpointed segments);
 * every (rung, start, scenario) advanced as one vmapped batch through the simulator's
   tick, accumulating late-window statistics instead of saving trajectories;
-* a run is *non-decaying* when its workload gap does not fall between the last two
-  quarters of the horizon and its last-quarter peak-to-peak workload is not small
+* a run is *non-decaying* when its workload gap does not fall between the two halves of
+  the late window (the third and the last quarter of the horizon by default; "quarter"
+  below means such a half) and its last-quarter peak-to-peak workload is not small
   (`non_decaying`); $\\eta_g$ is the rung just below the lowest rung with a non-decaying
   start.
 """
@@ -73,6 +74,8 @@ class WorstCaseSearch(eqx.Module):
       rungs $\\eta^*r, \\dots$ above. $\\eta^*$ itself is not a rung: there the
       linearisation is neutral and a decaying run decays only algebraically.
     - `horizon`, `tick`: $T$ and $h$ of every run (`horizon` a whole number of ticks).
+    - `late_window`: the fraction of the horizon at its end whose two halves the decay
+      test compares (`non_decaying`); 0.5: the third and the last quarter.
     - `workload_scale`: random $N_j(0) \\sim U[0, s(1 + N_j^*)]$.
     - `dirichlet`: the concentration of random routings (below 1 favours faces).
     - `decay_ratio`: a run decays when its last-quarter mean gap is below this fraction of
@@ -98,6 +101,7 @@ class WorstCaseSearch(eqx.Module):
     rungs_above: int = 1
     horizon: float = 300.0
     tick: float = 0.05
+    late_window: float = 0.5
     workload_scale: float = 3.0
     dirichlet: float = 0.5
     decay_ratio: float = 0.8
@@ -131,6 +135,8 @@ class WorstCaseSearch(eqx.Module):
                 raise bad(name, "a finite number > 0")
         if not (isinstance(self.decay_ratio, (int, float)) and 0.0 < self.decay_ratio < 1.0):
             raise bad("decay_ratio", "a number in (0, 1)")
+        if not (isinstance(self.late_window, (int, float)) and 0.0 < self.late_window <= 1.0):
+            raise bad("late_window", "a number in (0, 1]")
         for name in ("horizon", "ascent_horizon"):
             K = getattr(self, name) / self.tick
             if abs(K - round(K)) > 1e-9 * max(K, 1.0) or round(K) < 8:
@@ -147,8 +153,9 @@ class WorkloadStats(eqx.Module):
     """Late-window statistics of one run (arrays over the flattened batch).
 
     **Fields:**
-    - `gap3`, `gap4`: mean of $\\sum_jD_j(N(t))$ (`workload_gap`) over the third and the last
-      quarter of the horizon, sampled at every tick.
+    - `gap3`, `gap4`: mean of $\\sum_jD_j(N(t))$ (`workload_gap`) over the first and the
+      second half of the late window (`WorstCaseSearch.late_window`; by default the third
+      and the last quarter of the horizon), sampled at every tick.
     - `amp3`, `amp4`: peak-to-peak of $N_j$ over those quarters, largest over cells.
     - `period`: the mean time between upward crossings, in the last quarter, of the
       mid-range of the third quarter by the workload of the cell with the largest `amp4`
@@ -211,9 +218,10 @@ def _gap(cost, scn, N, N_star):
 
 
 def _late_stats_chunk(scn, eta, N_star, h_b, K_b, *, policy, integrator, hist, window):
-    """`WorkloadStats` of one chunk of runs (`_late_stats`); `h_b`, `K_b` `(M,)` hold the
-    batch's common tick and tick count."""
-    h, K = h_b[0], K_b[0]
+    """`WorkloadStats` of one chunk of runs (`_late_stats`); `h_b` `(M,)` and `K_b`
+    `(M, 3)` hold the batch's common tick and its tick marks $(K_2, K_3, K)$: the late
+    window $[K_2, K]$ and its halves $[K_2, K_3]$, $[K_3, K]$."""
+    h, (q2, q3, K) = h_b[0], K_b[0]
     M, n = eta.shape
     dtype = eta.dtype
     hh = jnp.full((M,), h, dtype)
@@ -227,7 +235,6 @@ def _late_stats_chunk(scn, eta, N_star, h_b, K_b, *, policy, integrator, hist, w
     )
     gap = jax.vmap(functools.partial(_gap, policy.cost))
     mask = scn.cell_mask
-    q2, q3 = K // 2, (3 * K) // 4
 
     def advance(k0, k1, carry, update):
         def body(k, c):
@@ -297,7 +304,7 @@ def _late_stats_impl(scn, eta, N_star, h_b, K_b, *, chunk, **static):
 @eqx.filter_jit
 def _late_stats(scn, eta, N_star, h_b, K_b, policy, integrator, *, hist, window, chunk):
     """`WorkloadStats` of every run of the flattened batch (`scn`, `eta` `(M, n)`, `N_star`
-    `(M, n)`, the common tick and tick count repeated in `h_b`, `K_b` `(M,)`; both traced,
+    `(M, n)`, the common tick and tick marks repeated in `h_b` `(M,)`, `K_b` `(M, 3)`; traced,
     so one compilation serves every horizon). As `simulate` runs a batch whose scenarios
     share their ticks: each device runs its share (`per_device`), in chunks of `chunk`
     runs one after the other (`_chunked`: on a CPU a chunk's tick stays in cache), with
@@ -474,6 +481,7 @@ def _search(batch: Scenario, policy, equilibrium, eta_star, config: WorstCaseSea
         raise ValueError(f"equilibrium.N has shape {N_star.shape}: expected ({B}, {n})")
     T, h = float(config.horizon), float(config.tick)
     K = int(round(T / h))
+    late = max(int(round(config.late_window * K)), 2)
     usable = np.isfinite(es) & (es > 0) & np.all(np.isfinite(N_star), axis=-1)
     ks = config.rungs()
     R, S = len(ks), config.starts
@@ -513,7 +521,8 @@ def _search(batch: Scenario, policy, equilibrium, eta_star, config: WorstCaseSea
         runs = jax.tree_util.tree_map(
             lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), runs
         )
-    ticks = (jnp.full((M + pad,), h), jnp.full((M + pad,), K))
+    marks = np.array([K - late, K - late // 2, K])
+    ticks = (jnp.full((M + pad,), h), jnp.asarray(np.broadcast_to(marks, (M + pad, 3))))
     (scn_r, eta_r, Ns_r), (h_r, K_r) = shard_batch((runs, ticks))
     chunk = _chosen_chunk(None, n, (M + pad) // ndev)
     stats = _late_stats(

@@ -157,6 +157,7 @@ def test_ascent_raises_the_gap_and_stays_feasible():
         (dict(horizon=10.01), "horizon"),
         (dict(decay_ratio=1.0), "decay_ratio"),
         (dict(tick=-0.05), "tick"),
+        (dict(late_window=0.0), "late_window"),
     ],
 )
 def test_bad_config(change, field):
