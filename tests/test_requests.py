@@ -70,9 +70,11 @@ def within(value, expected, se, extra=0.0):
 
 
 # ----------------------------------------------------------------------------------------
-# The markov batch: [one M/M/1 cell, static 3-cell network, overloaded cell] x 256 trials
+# The markov batch: [one M/M/1 cell, static 3-cell network, overloaded cell, a cell with a
+# buffer of 3] x 256 trials
 # ----------------------------------------------------------------------------------------
 
+BLOCK_LAM, BLOCK_B = 8.0, 3
 MARKOV = dict(trials=256, horizon=20.0, warmup=5.0, tick=0.25, n_save=4, slots=SLOTS)
 
 
@@ -81,6 +83,7 @@ def markov_batch(third: dict):
         scenario_from_dict(one_cell()),
         scenario_from_dict(static_three()),
         scenario_from_dict(third, allow_overload=True),
+        scenario_from_dict(one_cell(lam=BLOCK_LAM, buffer=BLOCK_B)),
     ]
     return simulate_requests(stack_scenarios(scns), "flow-grad", step_size=0.0, **MARKOV)
 
@@ -119,12 +122,42 @@ def test_overflow_is_a_status_and_the_batch_is_unaffected(markov):
     assert np.all(np.asarray(markov.overflow[2]) & 1)
     benign = markov_batch(one_cell(lam=3.0))
     assert np.all(benign.status == RESULTS.success)
-    for f in ("count", "served", "latency_sum", "histogram", "mean_requests"):
-        assert np.array_equal(
-            np.asarray(getattr(markov, f))[:2], np.asarray(getattr(benign, f))[:2]
-        ), f
+    for f in ("count", "served", "latency_sum", "histogram", "mean_requests", "drops"):
+        for b in (0, 1, 3):
+            assert np.array_equal(
+                np.asarray(getattr(markov, f))[b], np.asarray(getattr(benign, f))[b]
+            ), (f, b)
     with pytest.raises(dlbfluid._requests.solution.RequestSimulationError, match="slots"):
         markov.raise_for_status()
+
+
+def test_finite_buffer_blocking(markov):
+    """A buffer of B requests truncates the chain to 0..B: pi_B(n) proportional to
+    (n+1) rho^n, and by PASTA a request is rejected with probability pi_B(B)."""
+    rho = BLOCK_LAM / MU
+    w = np.array([(n + 1) * rho**n for n in range(BLOCK_B + 1)])
+    pi = w / w.sum()
+    err, se = ratio_se(np.sum(markov.drops[3], -1), np.sum(markov.arrivals[3], -1))
+    assert within(err, pi[-1], se), (err, se, pi[-1])
+    m, se = mean_se(markov.mean_requests[3, :, 0])
+    assert within(m, float(np.sum(np.arange(BLOCK_B + 1) * pi)), se), (m, se)
+    assert int(np.max(markov.count[3])) == BLOCK_B
+    assert np.all(markov.status_names()[3] == "success")
+
+
+def test_summary_pools_the_trials(markov):
+    s = markov.scenario(3).summary()
+    assert s["status"] == "success" and s["trials"] == MARKOV["trials"]
+    assert s["served"] == int(np.sum(markov.served[3]))
+    assert s["latency"]["mean"] == pytest.approx(
+        float(np.sum(markov.latency_sum[3]) / np.sum(markov.served[3]))
+    )
+    assert s["error_rate"] == pytest.approx(
+        float(np.sum(markov.drops[3]) / np.sum(markov.arrivals[3]))
+    )
+    assert s["latency"]["p50"] < s["latency"]["p90"] < s["latency"]["p99"]
+    assert len(s["cells"]) == 1 and 0 < s["cells"][0]["utilisation"] < 1
+    assert s["latency_ci90"]["mean"] > 0
 
 
 # ----------------------------------------------------------------------------------------

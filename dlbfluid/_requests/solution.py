@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
@@ -59,6 +62,14 @@ class RequestSolution(eqx.Module):
     histogram_bins: LatencyHistogram = eqx.field(static=True)
     policy: str = eqx.field(static=True, default="")
     service: str = eqx.field(static=True, default="markov")
+
+    def scenario(self, b: int) -> RequestSolution:
+        """The trials of scenario `b` of a batched solution."""
+        if self.status.ndim != 2:
+            raise ValueError("scenario() needs a batched solution (axes scenarios x trials)")
+        fields = [f.name for f in dataclasses.fields(self) if f.name != "t"]
+        arrays = {f: getattr(self, f) for f in fields if isinstance(getattr(self, f), jax.Array)}
+        return dataclasses.replace(self, **{f: a[b] for f, a in arrays.items()})
 
     def density(self):
         """Saved counts divided by the scale $k$: $N^k/k$, the fluid's units."""
