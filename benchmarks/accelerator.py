@@ -85,6 +85,8 @@ import numpy as np  # noqa: E402
 
 import dlbfluid as dl  # noqa: E402
 
+dl.enable_x64()
+
 FULL_SCENARIOS = 10_000
 FULL_HORIZON = 600.0
 TICK = 1e-3

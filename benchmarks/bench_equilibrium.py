@@ -40,6 +40,8 @@ from cvxpy_reference import cvxpy_solve  # noqa: E402
 import dlbfluid as dl  # noqa: E402
 from dlbfluid._equilibrium import solve_equilibrium  # noqa: E402
 
+dl.enable_x64()
+
 COSTS = ("rif", "latency", "gradient")
 
 

@@ -76,6 +76,8 @@ from reference import reference_simulate  # noqa: E402
 import dlbfluid as dl  # noqa: E402
 from dlbfluid._projection import NETWORK_MAX, sorting_network  # noqa: E402
 
+dl.enable_x64()
+
 POLICY = "flow-grad"
 
 

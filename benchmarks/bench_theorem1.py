@@ -31,12 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import dlbfluid  # noqa: F401  (enables float64)
+import dlbfluid
 from dlbfluid._critical_batch import batch_critical_step_size
 from dlbfluid._equilibrium import solve_equilibrium
 from dlbfluid._scenario import scenario_from_dict, stack_scenarios
 from dlbfluid._stability import critical_step_size
 from dlbfluid._verify import draw_scenario, flow_policies, verify
+
+dlbfluid.enable_x64()
 
 CELLS = (2, 6)
 

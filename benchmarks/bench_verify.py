@@ -21,8 +21,10 @@ import time
 
 import jax
 
-import dlbfluid  # noqa: F401  (enables float64)
+import dlbfluid
 from dlbfluid._verify import verify
+
+dlbfluid.enable_x64()
 
 
 def main(argv=None) -> int:

@@ -42,6 +42,8 @@ def _child(variant: str, repeats: int, out: str) -> None:
     from dlbfluid import _devices
     from dlbfluid._equilibrium import solve_equilibrium
 
+    dl.enable_x64()
+
     if variant == "xla_default":
         _devices._FLOAT64_OPTIONS = {}
     cases, arrays = [], {}

@@ -25,6 +25,8 @@ from bench_equilibrium import random_network  # noqa: E402
 import dlbfluid as dl  # noqa: E402
 from dlbfluid._equilibrium import solve_equilibrium  # noqa: E402
 
+dl.enable_x64()
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -66,6 +66,8 @@ import numpy as np  # noqa: E402
 
 import dlbfluid as dl  # noqa: E402
 
+dl.enable_x64()
+
 TARGETS = {
     "fast_float64_rel_err": 1e-5,
     "fast_float32_rel_err": 1e-3,

@@ -24,6 +24,8 @@ from helpers import THREE  # noqa: E402
 
 import dlbfluid as dl  # noqa: E402
 
+dl.enable_x64()
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

@@ -1,8 +1,10 @@
 """dlbfluid: the DLB fluid model of distributed load balancing, in JAX.
 
-float64 is the default for verification, so importing dlbfluid enables `jax_enable_x64`
-(at once if JAX is already imported, else as soon as anything imports it); pass
-`dtype=jnp.float32` to `simulate` for throughput.
+Importing dlbfluid changes no global configuration. float64, the default for
+verification, needs JAX's x64 mode: call `dlbfluid.enable_x64()` (or
+`jax.config.update("jax_enable_x64", True)`) first, or a verb asked for float64 raises
+(`dlbfluid._precision`); `dtype=jnp.float32` gives `simulate` throughput. The command line
+enables x64 itself.
 
 `import dlbfluid` itself imports no JAX, so that the command line's `--help` answers at
 once: the public names are loaded on first use (PEP 562). The imports in the
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from ._policies import TickSetup as TickSetup
     from ._policies import WeightedRandom as WeightedRandom
     from ._policies import policy_from_name as policy_from_name
+    from ._precision import enable_x64 as enable_x64
     from ._projection import project_simplex as project_simplex
     from ._registry import COSTS as COSTS
     from ._registry import POLICIES as POLICIES
@@ -132,50 +135,6 @@ def _public_names() -> dict[str, str]:
 
 _NAMES = _public_names()
 __all__ = sorted(_NAMES)
-
-
-def enable_x64() -> None:
-    """Enable float64 in JAX (importing dlbfluid arranges it; see `_X64OnImport`)."""
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
-
-
-class _X64OnImport:
-    """A meta-path finder that lets the import of `jax` run as usual and enables float64
-    as soon as it has finished: `import dlbfluid` keeps its promise of float64 without
-    paying for JAX's import itself. It removes itself after that one import."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "jax":
-            return None
-        import importlib.util
-        import sys
-
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("jax")
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            module.config.update("jax_enable_x64", True)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def _arrange_x64() -> None:
-    import sys
-
-    if "jax" in sys.modules:
-        enable_x64()
-    elif not any(isinstance(f, _X64OnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _X64OnImport())
-
-
-_arrange_x64()
 
 
 def __getattr__(name: str):

@@ -38,6 +38,7 @@ from ._integrators import Fast
 from ._manifest import MANIFEST, open_manifest, resume_note
 from ._plot import plot_summary as plot_summary
 from ._policies import MNLB, FlowRouting, policy_from_name
+from ._precision import require_x64
 from ._progress import Progress
 from ._scenario import scenario_from_dict, stack_scenarios
 from ._simulate import simulate
@@ -306,7 +307,11 @@ def run_experiment(
     batch. Process 0 alone reads and writes `out_dir`, appending each batch's rows in a
     one-process run's order, shows progress and returns the summary (the others return
     `None`).
+
+    **Raises:** `X64Error` while JAX's x64 mode is off (the experiment computes in
+    float64), before anything is written.
     """
+    require_x64("run_experiment")
     cfg = config
     procs = Processes() if processes is None else processes
     out = Path(out_dir)

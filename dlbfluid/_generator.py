@@ -28,6 +28,7 @@ import scipy.special
 import scipy.stats
 
 from ._defaults import DURATION_SCALES as DURATION_SCALES
+from ._precision import require_x64
 from ._service import Softplus
 
 # ----------------------------------------------------------------------------------------
@@ -455,8 +456,10 @@ def generate(
 
     **Raises:** `ValueError` naming the argument, for counts or cell numbers out of range,
     `utilisation` outside (0, 1), a non-positive `duration_scale` or a negative or
-    non-finite `token_time_cv`.
+    non-finite `token_time_cv`; `X64Error` while JAX's x64 mode is off (the draws are
+    float64, so that a scenario is the same in every run).
     """
+    require_x64("generate")
     seed = _check_int("seed", seed, 0)
     if seed >= 2**63:
         raise ValueError(f"seed = {seed} is invalid: expected an integer < 2**63")

@@ -37,6 +37,7 @@ from ._integrators import AbstractIntegrator, Accurate, Fast
 from ._integrators.base import arc_integrals
 from ._policies import AbstractPolicy, ErrorAverse, Observation, TickSetup, policy_from_name
 from ._policies.base import tree_select
+from ._precision import float_dtype
 from ._progress import Progress
 from ._results import RESULTS
 from ._scenario import Scenario, replica_scale
@@ -689,7 +690,8 @@ def simulate(
     - `progress`: print a progress line on stderr.
     - `throw`: raise on a per-scenario failure; default True for one scenario, False for
       a batch (failures are then reported in `Solution.status`).
-    - `dtype`: `jnp.float64` (default) or `jnp.float32` for throughput.
+    - `dtype`: `jnp.float64` (default) or `jnp.float32` for throughput; either needs JAX's
+      x64 mode (`dlbfluid.enable_x64`): the clock and the totals are float64 in both.
     - `error_aversion`: an `ErrorAversion` to let the roots shift traffic away from cells
       that drop requests (seed §3.4; cells drop only with a finite `Scenario.buffer`), or
       `None` (default) for none: the policy runs wrapped in `ErrorAverse`.
@@ -727,11 +729,7 @@ def simulate(
         raise ValueError(f"chunk = {chunk!r} is invalid: expected an integer >= 1 or None")
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout = {layout!r} is invalid: allowed {', '.join(LAYOUTS)} or None")
-    dtype = jnp.dtype(jnp.float64 if dtype is None else dtype)
-    if dtype not in (jnp.dtype(jnp.float64), jnp.dtype(jnp.float32)):
-        raise ValueError(f"dtype = {dtype} is invalid: allowed float64 or float32")
-    if dtype == jnp.float64 and not jax.config.read("jax_enable_x64"):
-        raise ValueError("dtype = float64 needs jax_enable_x64 (dlbfluid enables it on import)")
+    dtype = float_dtype(dtype, "simulate")
 
     batched = len(scenario.batch_shape) > 0
     if len(scenario.batch_shape) > 1:

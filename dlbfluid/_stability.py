@@ -52,6 +52,7 @@ from ._defaults import STABILITY_METHODS as METHODS
 from ._defaults import STABILITY_NODES as DEFAULT_NODES
 from ._equilibrium import solve_equilibrium
 from ._policies import AbstractPolicy, FlowRouting, policy_from_name
+from ._precision import require_x64
 from ._progress import Progress
 from ._registry import flow_policy_names
 from ._scenario import Scenario
@@ -414,8 +415,9 @@ def linearise(
     **Returns:** a `Linearisation`.
 
     **Raises:** `ValueError` for a discrete or random policy, a batched scenario, or bad
-    options.
+    options; `X64Error` while JAX's x64 mode is off (the slopes are float64).
     """
+    require_x64("linearise (the stability analysis)")
     pol = _flow_policy(policy)
     if len(scenario.batch_shape) != 0:
         raise ValueError(

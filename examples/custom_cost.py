@@ -17,6 +17,8 @@ import numpy as np
 
 import dlbfluid as dl
 
+dl.enable_x64()  # float64, the verbs' default (importing dlbfluid leaves JAX as it is)
+
 
 class Drain(dl.AbstractCost):
     """$f_j(N) = N/\\bar\\mu_j$, $g_{ij} = 2\\tau_{ij}$."""

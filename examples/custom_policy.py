@@ -15,6 +15,8 @@ import jax.numpy as jnp
 
 import dlbfluid as dl
 
+dl.enable_x64()  # float64, the verbs' default (importing dlbfluid leaves JAX as it is)
+
 
 class SoftminRouting(dl.AbstractCostPolicy):
     """Logit routing with temperature `temperature` (seconds of cost)."""

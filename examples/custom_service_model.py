@@ -17,6 +17,8 @@ import numpy as np
 
 import dlbfluid as dl
 
+dl.enable_x64()  # float64, the verbs' default (importing dlbfluid leaves JAX as it is)
+
 
 class MM1Delay(dl.AbstractServiceModel):
     """$\\ell(N) = D + (1 + N)/\\bar\\mu$; parameters `capacity` $\\bar\\mu$, `delay` $D$."""

@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     from dlbfluid._experiment_config import STEP_RULE_KAPPA, ExperimentConfig
     from dlbfluid._step_rule import mean_remote_delay, paper_step_sizes
 
+    dl.enable_x64()
+
     t0 = time.perf_counter()
     cfg = ExperimentConfig(
         "baseline", scenarios=a.scenarios, trials=a.trials, seed=a.seed, horizon=a.horizon

@@ -3,8 +3,8 @@ import sys
 
 import jax
 
-# Reference comparisons run in float64; importing dlbfluid enables it too, but tests must
-# not depend on import order.
+# Reference comparisons run in float64, and importing dlbfluid leaves JAX's configuration
+# alone (tests/test_import_side_effects.py checks both in fresh processes).
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -304,6 +304,7 @@ def test_sharded_over_two_cpu_devices(tmp_path):
         sys.path.insert(0, 'tests')
         import jax, dlbfluid as dl
         from helpers import THREE, two_mm1
+        dl.enable_x64()
         assert dl.use_cpu_cores() == 2  # (from DLBFLUID_CPU_DEVICES, before any JAX work)
         assert jax.device_count() == 2, jax.devices()
         b = dl.stack_scenarios([dl.scenario_from_dict(THREE), dl.scenario_from_dict(two_mm1()),

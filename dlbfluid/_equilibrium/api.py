@@ -32,6 +32,7 @@ from .. import _exported as exported
 from .._costs import AbstractCost, cost_from_name
 from .._devices import compiler_options, shard_batch, uses_float32
 from .._errors import OverloadError
+from .._precision import require_x64
 from .._results import RESULTS, raise_for_status, status_names, view
 from .._scenario import Scenario, check_capacity, pad_scenario
 from .solver import EquilibriumSolver, _solve_batch, _solve_batch_impl
@@ -242,8 +243,10 @@ def solve_equilibrium(
     **Returns:** an `EquilibriumSolution`, batched iff `scenario` is.
 
     **Raises:** `ValueError` for an unknown cost or bad options; `OverloadError` naming
-    the overloaded cells and sources when no routing serves the demand within capacity.
+    the overloaded cells and sources when no routing serves the demand within capacity;
+    `X64Error` while JAX's x64 mode is off (the solver computes in float64).
     """
+    require_x64("solve_equilibrium")
     cost = cost_from_name(cost)
     if not isinstance(solver, EquilibriumSolver):
         raise ValueError(f"solver = {solver!r} is invalid: expected an EquilibriumSolver")
