@@ -111,9 +111,14 @@ if TYPE_CHECKING:
     from ._stability import spectral_abscissa as spectral_abscissa
     from ._stability import step_size_ratio as step_size_ratio
     from ._stability import symmetric_critical_step_size as symmetric_critical_step_size
-    from ._theorem1 import Certificate as Certificate
-    from ._theorem1 import certificate as certificate
+    from ._theorem1 import THEOREM1_ESTIMATES as THEOREM1_ESTIMATES
+    from ._theorem1 import ProjectionCheck as ProjectionCheck
+    from ._theorem1 import Theorem1Check as Theorem1Check
+    from ._theorem1 import Theorem1Constants as Theorem1Constants
     from ._theorem1 import fit_bound as fit_bound
+    from ._theorem1 import projection_check as projection_check
+    from ._theorem1 import theorem1_check as theorem1_check
+    from ._theorem1 import theorem1_constants as theorem1_constants
     from ._verify import random_network as random_network
     from ._verify import verify as verify
 

@@ -16,7 +16,8 @@ EXPECTED = {
     "equilibrium_sensitivities", "ErrorAversion", "ExperimentConfig", "run_experiment",
     "GeneratedScenarios", "generate", "scenario_dicts", "MNLB", "FitInfo", "fit_latency_model",
     "perturb_service", "sample_latency", "MNLB_STATUS", "MNLBInfo", "mnlb_weights",
-    "rif_latency_range", "step_size_ratio", "Certificate", "certificate", "fit_bound",
+    "rif_latency_range", "step_size_ratio", "ProjectionCheck", "projection_check", "fit_bound",
+    "Theorem1Check", "Theorem1Constants", "THEOREM1_ESTIMATES", "theorem1_check", "theorem1_constants",
     "BatchStability", "batch_critical_step_size",
     "simulate_requests", "RequestSolution",
 }

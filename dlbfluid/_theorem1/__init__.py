@@ -87,3 +87,6 @@ from .projection_check import (
 from .projection_check import (
     projection_check as projection_check,
 )
+
+THEOREM1_ESTIMATES = ESTIMATES
+"""The estimates `Theorem1Check` measures, in its column order (public name)."""
