@@ -13,7 +13,7 @@
    record (2-6 cells, horizon 100 s, tick 0.05 s, chunks of `--chunk`): *before*, the
    former pipeline per chunk (equilibria, the per-scenario loop above, three flow
    simulations with per-tick saves, `batch_diagnostics`); *after*, `verify` itself
-   (equilibria, batched critical steps, simulations, certificates). Both after a warm-up
+   (equilibria, batched critical steps, simulations, Theorem-1 checks and projection checks). Both after a warm-up
    chunk that compiles their programs.
 
 Prints one JSON object on stdout, a summary on stderr.
@@ -164,7 +164,7 @@ def bench_verify(n: int, chunk: int, horizon: float, tick: float) -> dict:
     for k in range(0, n, chunk):
         _old_chunk(scns[k : k + chunk], chunk, horizon, tick)
     t_before = time.perf_counter() - t0
-    cert = {p: s["certificate_holds_fraction"] for p, s in res["policies"].items()}
+    cert = {p: s["projection_check_holds_fraction"] for p, s in res["policies"].items()}
     return {
         "scenarios": n,
         "chunk": chunk,
@@ -176,7 +176,7 @@ def bench_verify(n: int, chunk: int, horizon: float, tick: float) -> dict:
         "after_scenarios_per_s": n / t_after,
         "speedup": t_before / t_after,
         "warm_up_chunk_s": {"before": warm_before, "after": warm_after},
-        "certificate_holds_fraction": cert,
+        "projection_check_holds_fraction": cert,
     }
 
 

@@ -24,16 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "dlbfluid"
 
-# Function-local package imports allowed for now, in the modules being rewritten in
-# parallel (issue 31, items 1-3: Theorem 1's diagnostics, bound and ladder, and verify);
-# each entry is a file `ENTRY.py` or a folder `ENTRY/` while it moves. Whoever lands that
-# rewrite removes the entries, and this tuple is then empty. No cycle is allowed anywhere,
-# these modules included.
-LOCAL_IMPORT_ALLOWED: tuple[str, ...] = (
-    "dlbfluid/_lyapunov",
-    "dlbfluid/_theorem1",
-    "dlbfluid/_verify",
-)
+# Function-local package imports allowed outside the command line: none (each entry would be
+# a file `ENTRY.py` or a folder `ENTRY/`). No cycle is allowed anywhere.
+LOCAL_IMPORT_ALLOWED: tuple[str, ...] = ()
 # The command line imports its sub-commands' numerics inside their functions on purpose.
 LAZY_PREFIX = "dlbfluid/_cli/"
 
