@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 import pytest
 from helpers import symmetric_pair, three
@@ -44,11 +45,12 @@ def searched():
     eq = dl.solve_equilibrium(batch, policy_from_name(POLICY).cost, throw=False, check=False)
     eta_star = np.array(dl.batch_critical_step_size(batch, POLICY, eq).critical_step_size)
     eta_star[2] = math.inf
-    return dicts, eta_star, global_threshold(batch, POLICY, eq, eta_star, config=CONFIG)
+    out = global_threshold(batch, POLICY, eq, eta_star, config=CONFIG)
+    return dicts, eta_star, out, (batch, eq)
 
 
 def test_pair_is_bistable(searched):
-    dicts, eta_star, out = searched
+    dicts, eta_star, out, _ = searched
     rec = out[0]
     assert set(rec) == KEYS
     # The cycle is found at 0.864 eta* (rung -3) and no start is non-decaying at 0.823.
@@ -66,7 +68,7 @@ def test_pair_is_bistable(searched):
 def test_witness_cycles_above_and_converges_at_eta_global(searched):
     """The witness, re-simulated alone by `dlbfluid.simulate` from a scenario file's
     `initial`, stays on the cycle at the first rung above eta_g and converges at eta_g."""
-    dicts, eta_star, out = searched
+    dicts, eta_star, out, _ = searched
     rec = out[0]
     scn = dl.scenario_from_dict({**dicts[0], "initial": rec["witness"]})
     batch = dl.stack_scenarios([scn, scn])
@@ -86,7 +88,7 @@ def test_witness_cycles_above_and_converges_at_eta_global(searched):
 def test_negative_control_three_cells(searched):
     """No start is non-decaying below eta* on the three-cell network: eta_g is the rung
     just below eta*, the cycle above eta* is small (0.04 against N* = 1.5)."""
-    dicts, eta_star, out = searched
+    dicts, eta_star, out, _ = searched
     rec = out[1]
     assert rec["bistable"] is False
     assert rec["eta_global"] == pytest.approx(eta_star[1] / RATIO, rel=1e-12)
@@ -96,29 +98,30 @@ def test_negative_control_three_cells(searched):
 
 
 def test_no_ladder_without_eta_star(searched):
-    _, _, out = searched
+    _, _, out, _ = searched
     assert out[2] == dict.fromkeys(KEYS)
 
 
 def test_witness_is_a_valid_initial_block(searched):
-    dicts, _, out = searched
+    dicts, _, out, _ = searched
     for d, rec in zip(dicts[:2], out[:2]):
         scn = dl.scenario_from_dict({**d, "initial": rec["witness"]})
         x = np.asarray(scn.initial_routing)
         assert np.all(x >= 0) and np.allclose(x.sum(axis=-1), 1.0, atol=1e-12)
 
 
-def test_ascent_raises_the_gap_and_stays_feasible():
+def test_ascent_raises_the_gap_and_stays_feasible(searched):
     """Gradient ascent through the tick: finite objectives at every iterate, the cold
     start's late gap on the pair at 0.864 eta* raised by more than 5%, and the refined
     starts feasible (N >= 0, routing on each simplex, 0 on forbidden arcs)."""
-    batch = dl.stack_scenarios([dl.scenario_from_dict(symmetric_pair(0.5))])
+    _, eta_star, _, (batch, eq) = searched
+    pair = jtu.tree_map(lambda a: a[:1], batch.strip())  # the pair, as a batch of one
+    N_star = np.asarray(eq.N)[:1]
+    es = float(eta_star[0])
     pol = policy_from_name(POLICY)
-    eq = dl.solve_equilibrium(batch, pol.cost, throw=False, check=False)
-    es = float(np.asarray(dl.batch_critical_step_size(batch, POLICY, eq).critical_step_size)[0])
     cfg = dataclasses.replace(CONFIG, starts=4, vertex_starts=1)
-    scn = batch.strip()
-    N0, x0 = _starts(scn, np.asarray(eq.N), cfg)
+    scn = pair
+    N0, x0 = _starts(scn, N_star, cfg)
     S, n = 4, scn.n_cells
     h = 0.05
     tau = float(np.max(np.asarray(scn.latency)))
@@ -130,7 +133,7 @@ def test_ascent_raises_the_gap_and_stays_feasible():
         _flat(scn, 1, S),
         jnp.full((S, n), es * RATIO**-3),
         jnp.asarray(h),
-        _flat(jnp.asarray(eq.N), 1, S),
+        _flat(jnp.asarray(N_star), 1, S),
         jnp.asarray(N0.reshape(S, n)),
         jnp.asarray(x0.reshape(S, n, n)),
         pol,
@@ -165,12 +168,14 @@ def test_bad_config(change, field):
         WorstCaseSearch(**change)
 
 
-def test_bad_arguments():
-    batch = dl.stack_scenarios([dl.scenario_from_dict(symmetric_pair(0.5))])
-    eq = dl.solve_equilibrium(batch, "gradient", throw=False, check=False)
-    with pytest.raises(ValueError, match="eta_star has shape"):
+def test_bad_arguments(searched):
+    _, _, _, (batch, eq) = searched
+    with pytest.raises(ValueError, match=r"eta_star has shape \(2,\): expected \(3,\)"):
         global_threshold(batch, POLICY, eq, np.ones(2), config=CONFIG)
     with pytest.raises(ValueError, match="disc-grad"):
-        global_threshold(batch, "disc-grad", eq, np.ones(1), config=CONFIG)
+        global_threshold(batch, "disc-grad", eq, np.ones(3), config=CONFIG)
     with pytest.raises(ValueError, match="config = "):
-        global_threshold(batch, POLICY, eq, np.ones(1), config={"starts": 8})
+        global_threshold(batch, POLICY, eq, np.ones(3), config={"starts": 8})
+    one = jtu.tree_map(lambda a: a[0], batch)
+    with pytest.raises(ValueError, match="expected one batch axis"):
+        global_threshold(one, POLICY, eq, np.ones(3), config=CONFIG)
