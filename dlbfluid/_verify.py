@@ -33,6 +33,7 @@ from ._distributed import Processes
 from ._equilibrium import solve_equilibrium
 from ._experiment_config import STEP_RULE_KAPPA
 from ._generator import generate, scenario_dicts
+from ._global_threshold import WorstCaseSearch, global_threshold
 from ._manifest import open_manifest, resume_note
 from ._policies import FlowRouting, policy_from_name
 from ._progress import Progress
@@ -292,6 +293,8 @@ def verify(
     ladder: str = "none",
     tau_scales: tuple[float, ...] = (1.0, 2.0, 4.0),
     step_base: str = "eta-star",
+    worst_case: bool = False,
+    starts: int = 16,
 ) -> dict | None:
     """Verify Theorem 1 on `n_scenarios` random scenarios; returns the summary dict.
 
@@ -321,6 +324,18 @@ def verify(
     `tau_scales`, the empirical $\\eta_0$), about thirty further runs per scenario and
     policy, batched.
 
+    `step_base`: what `step_fraction` multiplies with the oracle rule: `"eta-star"` (the
+    linear critical step) or `"eta0"` (the proof's threshold, `batch_theorem1_constants`;
+    a fraction $\\le 1$ runs inside Theorem 1's hypothesis). Every record carries Theorem 1's
+    explicit constants and its check along the run (`theorem1`, theory/lyapunov.md) and the
+    three thresholds (`thresholds`).
+
+    `worst_case`: also search each scenario's global threshold $\\eta_g$ with `starts`
+    starts per scenario and rung (`dlbfluid._global_threshold.global_threshold`, one batch
+    per chunk and policy; its own horizon and tick, `WorstCaseSearch`'s defaults), filling
+    `thresholds`' `eta_global`, `bistable`, `hopf`, `witness`, `cycle_amplitude` and
+    `cycle_period` (null without it).
+
     `nodes`: the Chebyshev nodes of the former per-scenario critical step sizes, kept in
     the manifest only: `batch_critical_step_size` solves the exact characteristic
     equation (theory/stability.md §7).
@@ -337,8 +352,8 @@ def verify(
     `manifest.json`) records every argument that changes a number (`n_scenarios`,
     `seed`, `n_cells`, `horizon`, `tick`, `step_fraction`, `conv_tol`, `nodes`, the
     policies and the name of a custom `draw`; `generator`, a fingerprint of a given
-    `scenario`, `step_rule`, `ladder` and `tau_scales` where they differ from their
-    defaults) and the package version; `chunk` is not
+    `scenario`, `step_rule`, `ladder`, `tau_scales`, `step_base`, `worst_case` and
+    `starts` where they differ from their defaults) and the package version; `chunk` is not
     among them (a scenario's record does not depend on its chunk, up to rounding: chunks
     of 2, 3 and 4 gave identical records, a chunk of 1 differed by one ulp), so a resumed
     run may use another.
@@ -369,6 +384,11 @@ def verify(
     for name, v, ok in (
         ("n_scenarios", n_scenarios, isinstance(n_scenarios, int) and n_scenarios >= 1),
         ("chunk", chunk, chunk is None or (isinstance(chunk, int) and chunk >= 1)),
+        (
+            "starts",
+            starts,
+            isinstance(starts, int) and not isinstance(starts, bool) and starts >= 1,
+        ),
         ("step_fraction", step_fraction, 0 < step_fraction),
     ):
         if not ok:
@@ -411,6 +431,8 @@ def verify(
                     ("ladder", ladder, "none"),
                     ("tau_scales", list(tau_scales) if ladder == "full" else None, None),
                     ("step_base", step_base, "eta-star"),
+                    ("worst_case", worst_case, False),
+                    ("starts", starts if worst_case else None, None),
                 ):
                     if value != default:
                         config[key] = value
@@ -440,7 +462,9 @@ def verify(
         source = _AppB(n_cells)
     else:
         source = lambda sd, i: draw_scenario(sd, i, n_cells=n_cells)  # noqa: E731
-    opts = _Options(step_fraction, conv_tol, nodes, step_rule, ladder, tau_scales, step_base)
+    opts = _Options(step_fraction, conv_tol, nodes, step_rule, ladder, tau_scales, step_base,
+                    WorstCaseSearch(starts=starts, vertex_starts=min(2, starts)) if worst_case
+                    else None)  # fmt: skip
     t_start = time.perf_counter()
     bar = None
 
@@ -505,6 +529,8 @@ def verify(
         generator=generator if scenario is None and draw is None else None,
         step_rule=step_rule,
         step_base=step_base,
+        worst_case=worst_case,
+        starts=starts if worst_case else None,
         ladder=ladder,
         tau_scales=list(tau_scales) if ladder == "full" else None,
         devices=[str(d) for d in jax.devices()],
@@ -515,6 +541,9 @@ def verify(
     summary["records"] = records
     return summary
 
+
+SEARCH_KEYS = ("eta_global", "bistable", "hopf", "witness", "cycle_amplitude", "cycle_period")
+"""The worst-case search's fields of a record's `thresholds` (null without `worst_case`)."""
 
 DEFAULT_CHUNK = 32
 """Scenarios per compiled batch of `verify` unless a run of fewer than 128 asks for less."""
@@ -535,6 +564,8 @@ _FLAGS = {
     "tau_scales": "--tau-scales",
     "policies": "--policy",
     "step_base": "--step-base",
+    "worst_case": "--worst-case",
+    "starts": "--starts",
 }
 
 
@@ -548,6 +579,7 @@ class _Options(NamedTuple):
     ladder: str
     tau_scales: tuple[float, ...]
     step_base: str
+    worst_case: WorstCaseSearch | None
 
 
 def _digest(d: dict) -> str:
@@ -636,6 +668,10 @@ def _chunk_records(
         st = sol.status_names()
         eqst = eq.status_names()
         crst = crit.status_names()
+        search: list[dict] = [{} for _ in recs]
+        if opts.worst_case is not None:
+            stage(f"{pol}: worst-case search")
+            search = global_threshold(batch, pol, eq, eta_star, config=opts.worst_case)
         theorem: list[dict] = [{} for _ in recs]
         if opts.ladder == "full":
             lad = Ladder(tau_scales=opts.tau_scales)
@@ -673,12 +709,7 @@ def _chunk_records(
                 "thresholds": {
                     "eta0": _finite(eta0[b]),
                     "eta_star": es if math.isfinite(es) else None,
-                    "eta_global": None,
-                    "bistable": None,
-                    "hopf": None,
-                    "witness": None,
-                    "cycle_amplitude": None,
-                    "cycle_period": None,
+                    **{k: search[b].get(k) for k in SEARCH_KEYS},
                 },
                 "projection_check": proj.record(b),
                 "bound": th.get("bound"),

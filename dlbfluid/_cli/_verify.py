@@ -82,6 +82,20 @@ def register(sub) -> None:
         "(default eta-star)",
     )
     p.add_argument(
+        "--worst-case",
+        action="store_true",
+        help="also search each scenario's global step threshold eta_g (a ladder of steps of "
+        "ratio 1.05 around eta*, --starts starts per scenario and rung, one batch; "
+        "theory/global_threshold.md): eta_g, bistable, the Hopf direction, a witness start "
+        "and its cycle",
+    )
+    p.add_argument(
+        "--starts",
+        type=positive_int("starts"),
+        default=16,
+        help="with --worst-case: starts per scenario and rung (default 16)",
+    )
+    p.add_argument(
         "--ladder",
         choices=VERIFY_LADDERS,
         default="none",
@@ -187,6 +201,8 @@ def run(args) -> int:
         ladder=args.ladder,
         tau_scales=tuple(args.tau_scales),
         step_base=args.step_base,
+        worst_case=args.worst_case,
+        starts=args.starts,
     )
     if res is None:  # not process 0: it prints and writes the merged results
         return 0
