@@ -14,6 +14,10 @@ First the symmetric pair at tau = 0.5 (flow-grad), searched at tick 0.05 and 0.0
 `--pair-starts` starts: eta_g/eta*, the witness, the cycle's amplitude and period, which
 must not move with the tick.
 
+The peer, measured in the same run: `dlbfluid.simulate` on as many runs as the smallest
+starts count makes, for the same ticks (4 saves), so that the search's loop can be
+compared with the simulator it is built from.
+
 Prints one JSON object on stdout (the pair; per starts count: runs, run-ticks, compile and run
 seconds, microseconds per run-tick; and the search's outcome at the largest count:
 bistable fraction, eta_g/eta* quantiles, Hopf directions), a summary on stderr.
@@ -76,6 +80,36 @@ def _pair(starts: int) -> dict:
     return out
 
 
+def _peer(batch, args, eta_star, S: int, rungs: int, K: int) -> dict:
+    """The peer: `dlbfluid.simulate` on as many runs (each scenario repeated rungs x S
+    times, at the rungs' steps, from the scenario's own initial state: the cost of a tick
+    does not depend on the start) for the same ticks, with 4 saves; compile
+    apart (a warm-up of 20 ticks: the tick count is data, one compilation serves both)."""
+    B = batch.batch_shape[0]
+    reps = rungs * S
+    flat = jax.tree_util.tree_map(lambda a: np.repeat(np.asarray(a)[None], reps, 0), batch)
+    flat = jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), flat)
+    ladder = (
+        np.where(np.isfinite(eta_star), eta_star, 1.0)[None, :]
+        * 1.05 ** np.repeat(np.arange(rungs) - args.rungs_below, S)[:, None]
+    )
+    step = ladder.reshape(-1, 1)
+    kw = dict(step_size=step, tick=args.tick, n_save=4)
+    t0 = time.perf_counter()
+    dl.simulate(flat, args.policy, horizon=20 * args.tick, **kw).N.block_until_ready()
+    t1 = time.perf_counter()
+    dl.simulate(flat, args.policy, horizon=args.horizon, **kw).N.block_until_ready()
+    t2 = time.perf_counter()
+    runs = reps * B
+    return {
+        "starts": S,
+        "runs": runs,
+        "compile_s": round(t1 - t0, 2),
+        "run_s": round(t2 - t1, 2),
+        "us_per_run_tick": round(1e6 * (t2 - t1) / (runs * K), 4),
+    }
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", type=int, default=100)
@@ -134,6 +168,9 @@ def main(argv=None) -> dict:
         runs.append(row)
         print(json.dumps(row), file=sys.stderr)
 
+    peer = _peer(batch, args, eta_star, args.starts[0], rungs, K)
+    print(json.dumps({"peer": peer}), file=sys.stderr)
+
     assert out is not None
     usable = np.isfinite(eta_star) & (eta_star > 0)
     ratio = np.array(
@@ -166,6 +203,7 @@ def main(argv=None) -> dict:
         "machine": platform.processor() or platform.machine(),
         "pair_tau_0.5": pair,
         "timings": runs,
+        "peer_simulate": peer,
         "scaling_in_starts": {
             f"{a['starts']}->{b['starts']}": round(b["run_s"] / a["run_s"], 2)
             for a, b in zip(runs, runs[1:])
