@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import equinox as eqx
 import jax
@@ -137,8 +138,7 @@ class RequestSolution(eqx.Module):
         def ci(v):
             if R < 2:
                 return None
-            half = 1.6448536269514722 * float(np.std(v, ddof=1)) / np.sqrt(R)
-            return half
+            return 1.6448536269514722 * float(np.std(v, ddof=1)) / math.sqrt(R)
 
         stat = np.asarray(self.status)
         worst = int(stat[stat != RESULTS.success][0]) if np.any(stat != RESULTS.success) else 0
