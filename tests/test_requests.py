@@ -332,6 +332,35 @@ def test_histogram_percentiles_within_resolution():
     assert np.isnan(float(hist.percentile(jnp.zeros(hist.bins + 2, jnp.int32), 0.5)))
 
 
+@pytest.mark.parametrize("policy", ["disc-lat", "mnlb", "flow-rif", "error-averse"])
+def test_policies_trace(policy, monkeypatch):
+    """Every kind of policy object goes through the loop (traced, not compiled: the run
+    is replaced by zeros of its output shapes): a tie rule held as a string
+    (`DiscreteRouting`), a precomputed schedule (MNLB), a wrapper with state
+    (`ErrorAverse`)."""
+    import equinox as eqx
+
+    from dlbfluid._requests import simulate as driver
+
+    run = driver._run
+
+    def shapes_only(*args):
+        out = eqx.filter_eval_shape(run, *args)
+        return {k: jnp.zeros(v.shape, v.dtype) for k, v in out.items()}
+
+    monkeypatch.setattr(driver, "_run", shapes_only)
+    pol = (
+        dlbfluid.ErrorAverse(dlbfluid.policy_from_name("flow-lat"))
+        if policy == "error-averse"
+        else policy
+    )
+    d = helpers.three()
+    for c in d["cells"]:
+        c["buffer"] = 3.0
+    sol = simulate_requests(scenario_from_dict(d), pol, trials=2, horizon=0.2, n_save=2)
+    assert sol.count.shape == (2, 3, 3)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

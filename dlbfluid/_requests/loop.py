@@ -121,7 +121,8 @@ class Trial(eqx.Module):
     scn: Scenario
     setup: TickSetup
     aux: object
-    policy: AbstractPolicy
+    # (policies hold no arrays: static, as under `simulate`'s jit)
+    policy: AbstractPolicy = eqx.field(static=True)
     cells: AbstractCells
     scale: Float[Array, ""]
     lam_max: Float[Array, " n"]
