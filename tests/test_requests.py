@@ -71,10 +71,11 @@ def within(value, expected, se, extra=0.0):
 
 # ----------------------------------------------------------------------------------------
 # The markov batch: [one M/M/1 cell, static 3-cell network, overloaded cell, a cell with a
-# buffer of 3] x 256 trials
+# buffer of 3, a time-varying arrival profile] x 256 trials
 # ----------------------------------------------------------------------------------------
 
 BLOCK_LAM, BLOCK_B = 8.0, 3
+PROFILE = {"times": [0.0, 10.0, 20.0], "rates": [2.0, 12.0, 4.0]}
 MARKOV = dict(trials=256, horizon=20.0, warmup=5.0, tick=0.25, n_save=4, slots=SLOTS)
 
 
@@ -84,6 +85,7 @@ def markov_batch(third: dict):
         scenario_from_dict(static_three()),
         scenario_from_dict(third, allow_overload=True),
         scenario_from_dict(one_cell(lam=BLOCK_LAM, buffer=BLOCK_B)),
+        scenario_from_dict(one_cell(lam=PROFILE, mu=20.0)),
     ]
     return simulate_requests(stack_scenarios(scns), "flow-grad", step_size=0.0, **MARKOV)
 
@@ -123,7 +125,7 @@ def test_overflow_is_a_status_and_the_batch_is_unaffected(markov):
     benign = markov_batch(one_cell(lam=3.0))
     assert np.all(benign.status == RESULTS.success)
     for f in ("count", "served", "latency_sum", "histogram", "mean_requests", "drops"):
-        for b in (0, 1, 3):
+        for b in (0, 1, 3, 4):
             assert np.array_equal(
                 np.asarray(getattr(markov, f))[b], np.asarray(getattr(benign, f))[b]
             ), (f, b)
@@ -143,6 +145,18 @@ def test_finite_buffer_blocking(markov):
     assert within(m, float(np.sum(np.arange(BLOCK_B + 1) * pi)), se), (m, se)
     assert int(np.max(markov.count[3])) == BLOCK_B
     assert np.all(markov.status_names()[3] == "success")
+
+
+def test_thinned_arrivals_are_poisson(markov):
+    """Arrivals thinned from the profile's maximum rate: the count in the window [5, 20] is
+    Poisson with mean int_5^20 lambda = 5 (7 + 12)/2 + 10 (12 + 4)/2 = 127.5."""
+    n = np.asarray(markov.arrivals[4, :, 0], float)
+    m, se = mean_se(n)
+    assert within(m, 127.5, se), (m, se)
+    # Poisson dispersion: the variance equals the mean (the sample variance's standard
+    # error is about mean sqrt(2/R) for a Poisson count of this size).
+    var = float(n.var(ddof=1))
+    assert within(var, 127.5, 127.5 * math.sqrt(2.0 / n.size)), var
 
 
 def test_summary_pools_the_trials(markov):
