@@ -11,6 +11,7 @@ import jax.random as jr
 import numpy as np
 
 from .._policies import AbstractPolicy, policy_from_name
+from .._precision import require_x64
 from .._results import RESULTS, view
 from .._scenario import Scenario
 from .._service.base import code as law_code
@@ -193,12 +194,15 @@ def simulate_requests(
       (default six standard deviations above the largest Poisson mean). Exceeding any of
       them is a status, never a silent truncation.
     - `histogram`: the latency bins of the percentiles (`LatencyHistogram`).
-    - `dtype`: `jnp.float64` (default) or `jnp.float32`.
+    - `dtype`: `jnp.float64` (default; needs JAX's x64 mode, `dlbfluid.enable_x64()`) or
+      `jnp.float32`.
     - `throw`: raise on a failed scenario or trial; default True for one scenario.
 
     **Returns:** a `RequestSolution` with axes `(B, trials)` (`(trials,)` for one scenario).
 
-    **Raises:** `ValueError` naming the argument, its value and what is allowed.
+    **Raises:** `ValueError` naming the argument, its value and what is allowed;
+    `X64Error` (a `ValueError`) for float64 while JAX's x64 mode is off (float32 runs
+    without it).
     """
     pol = policy_from_name(policy)
     if service not in SERVICES:
@@ -210,12 +214,8 @@ def simulate_requests(
     dtype = jnp.dtype(jnp.float64 if dtype is None else dtype)
     if dtype not in (jnp.dtype(jnp.float64), jnp.dtype(jnp.float32)):
         raise _bad("dtype", str(dtype), "allowed float64 or float32")
-    if dtype == jnp.float64 and not jax.config.read("jax_enable_x64"):
-        raise ValueError(
-            "dtype = float64 is invalid while JAX's x64 mode is off: call "
-            "dlbfluid.enable_x64() or jax.config.update('jax_enable_x64', True) first, or "
-            "pass dtype=jnp.float32"
-        )
+    if dtype == jnp.float64:
+        require_x64("simulate_requests(dtype=float64)")  # (float32 runs without x64)
     if not isinstance(scenario, Scenario):
         raise _bad("scenario", type(scenario).__name__, "expected a Scenario")
     batched = len(scenario.batch_shape) == 1
