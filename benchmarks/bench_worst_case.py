@@ -10,9 +10,9 @@ process's devices (one per core: `use_cpu_cores` is called first). Compile time 
 warm-up call with a horizon of 20 ticks compiles the program (the horizon is traced, so
 the timed call reuses it); the timed call is the whole search at `--horizon`.
 
-First the symmetric pair at tau = 0.5 (flow-grad), searched at tick 0.05 and 0.01 with
-`--pair-starts` starts: eta_g/eta*, the witness, the cycle's amplitude and period, which
-must not move with the tick.
+First the symmetric pair at tau = 0.5, searched with `--pair-starts` starts: flow-grad at
+tick 0.05 and 0.01 (eta_g/eta*, the witness, the cycle's amplitude and period, which must
+not move with the tick), flow-lat and flow-rif at 0.05.
 
 The peer, measured in the same run: `dlbfluid.simulate` on as many runs as the smallest
 starts count makes, for the same ticks (4 saves), so that the search's loop can be
@@ -56,7 +56,8 @@ def _batch(seed: int, count: int):
 
 def _pair(starts: int) -> dict:
     """The symmetric pair of tests/helpers.py (one source, two M/M/1 cells, tau = 0.5),
-    flow-grad, searched at tick 0.05 and 0.01 (300 s, rungs 0.75-0.95 and 1.05-1.10 eta*)."""
+    searched with flow-grad at tick 0.05 and 0.01, flow-lat and flow-rif at 0.05 (300 s,
+    rungs 0.75-0.95 and 1.05-1.10 eta*)."""
     d = {
         "name": "symmetric-pair",
         "cells": [
@@ -67,16 +68,24 @@ def _pair(starts: int) -> dict:
         "latency": [[None, 0.5, 0.5], [None, 0.0, None], [None, None, 0.0]],
     }
     batch = dl.stack_scenarios([dl.scenario_from_dict(d)])
-    eq = dl.solve_equilibrium(batch, "gradient", throw=False, check=False)
-    es = np.asarray(dl.batch_critical_step_size(batch, "flow-grad", eq).critical_step_size)
-    out = {"eta_star": float(es[0])}
-    for tick in (0.05, 0.01):
-        cfg = WorstCaseSearch(starts=starts, rungs_below=6, rungs_above=2, tick=tick)
-        t0 = time.perf_counter()
-        rec = global_threshold(batch, "flow-grad", eq, es, config=cfg)[0]
-        rec["eta_global_over_eta_star"] = rec["eta_global"] / float(es[0])
-        rec["wall_s"] = round(time.perf_counter() - t0, 2)
-        out[f"tick_{tick}"] = rec
+    out: dict = {}
+    for policy, ticks in (
+        ("flow-grad", (0.05, 0.01)),
+        ("flow-lat", (0.05,)),
+        ("flow-rif", (0.05,)),
+    ):
+        eq = dl.solve_equilibrium(batch, dl.policy_from_name(policy).cost, throw=False, check=False)
+        es = np.asarray(dl.batch_critical_step_size(batch, policy, eq).critical_step_size)
+        one: dict = {"eta_star": float(es[0])}
+        for tick in ticks:
+            cfg = WorstCaseSearch(starts=starts, rungs_below=6, rungs_above=2, tick=tick)
+            t0 = time.perf_counter()
+            rec = global_threshold(batch, policy, eq, es, config=cfg)[0]
+            g = rec["eta_global"]
+            rec["eta_global_over_eta_star"] = None if g is None else g / float(es[0])
+            rec["wall_s"] = round(time.perf_counter() - t0, 2)
+            one[f"tick_{tick}"] = rec
+        out[policy] = one
     return out
 
 
