@@ -10,6 +10,7 @@ loop is exact (competing exponentials with thinning for the arrivals), runs insi
 """
 
 from .cells import AbstractCells as AbstractCells
+from .histogram import LatencyHistogram as LatencyHistogram
 from .markov import MarkovCells as MarkovCells
 from .servers import FifoServers as FifoServers
 from .simulate import REQUEST_STATUS as REQUEST_STATUS
