@@ -78,13 +78,13 @@ from .ladder import (
 from .ladder import (
     window_ratio as window_ratio,
 )
-from .projection_check import (
+from .projection import (
     ProjectionCheck as ProjectionCheck,
 )
-from .projection_check import (
+from .projection import (
     batch_projection_check as batch_projection_check,
 )
-from .projection_check import (
+from .projection import (
     projection_check as projection_check,
 )
 
