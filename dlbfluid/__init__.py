@@ -99,9 +99,9 @@ if TYPE_CHECKING:
     from ._simulate import SimState as SimState
     from ._simulate import Totals as Totals
     from ._simulate import simulate as simulate
-    from ._solution import STATUS as STATUS
-    from ._solution import SimulationError as SimulationError
-    from ._solution import Solution as Solution
+    from ._simulate import STATUS as STATUS
+    from ._simulate import SimulationError as SimulationError
+    from ._simulate import Solution as Solution
     from ._stability import HerdingResult as HerdingResult
     from ._stability import StabilityResult as StabilityResult
     from ._stability import characteristic_roots as characteristic_roots

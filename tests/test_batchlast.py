@@ -9,9 +9,10 @@ import pytest
 from helpers import random_scenario
 
 import dlbfluid as dl
-from dlbfluid import _batchlast, _simulate
-from dlbfluid._batchlast import vmap_last
 from dlbfluid._elementary import exp_neg, log1p_unit
+from dlbfluid._simulate import batchlast as _batchlast
+from dlbfluid._simulate import loop as _simulate
+from dlbfluid._simulate.batchlast import vmap_last
 
 B = 5
 rng = np.random.default_rng(7)

@@ -13,7 +13,7 @@ from reference import POLICIES as REFERENCE_POLICIES
 from reference import reference_simulate
 
 import dlbfluid as dl
-import dlbfluid._simulate as sim
+import dlbfluid._simulate.loop as sim
 
 H = 0.05
 REGISTERED = dl.POLICIES.names()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dlbfluid._plot import plot_summary, plot_trajectories, summary_figure, trajectory_figure
-from dlbfluid._solution import Solution
+from dlbfluid._simulate import Solution
 
 CELLS = ("a", "b", "c")
 

@@ -14,7 +14,7 @@ from helpers import THREE, random_scenario, square_root_rule, symmetric_pair, tw
 from reference import reference_simulate
 
 import dlbfluid as dl
-import dlbfluid._simulate as sim
+import dlbfluid._simulate.loop as sim
 
 H, T = 0.05, 10.0
 ACC = dl.Accurate(rtol=1e-10, atol=1e-12)

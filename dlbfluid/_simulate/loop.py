@@ -29,19 +29,19 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from . import _exported as exported
-from ._aversion import ErrorAversion
-from ._batchlast import vmap_last
-from ._devices import compiler_options, per_device, shard_batch, solver_jit, uses_float32
-from ._integrators import AbstractIntegrator, Accurate, Fast
-from ._integrators.base import arc_integrals
-from ._policies import AbstractPolicy, ErrorAverse, Observation, TickSetup, policy_from_name
-from ._policies.base import tree_select
-from ._precision import float_dtype
-from ._progress import Progress
-from ._results import RESULTS
-from ._scenario import Scenario, replica_scale
-from ._solution import Solution
+from .. import _exported as exported
+from .._aversion import ErrorAversion
+from .._devices import compiler_options, per_device, shard_batch, solver_jit, uses_float32
+from .._integrators import AbstractIntegrator, Accurate, Fast
+from .._integrators.base import arc_integrals
+from .._policies import AbstractPolicy, ErrorAverse, Observation, TickSetup, policy_from_name
+from .._policies.base import tree_select
+from .._precision import float_dtype
+from .._progress import Progress
+from .._results import RESULTS
+from .._scenario import Scenario, replica_scale
+from .batchlast import vmap_last
+from .solution import Solution
 
 __all__ = ["Accurate", "Fast", "SimState", "Totals", "simulate"]
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ._results import RESULTS, raise_for_status, status_names, view
+from .._results import RESULTS, raise_for_status, status_names, view
 
 STATUS = view("success", "nonfinite", "solver_failed", "negative_workload", "mass_balance")
 """The `RESULTS` codes a simulation can end with."""
