@@ -7,7 +7,7 @@
    cells, flow-grad, equilibria solved once, batched): *before*,
    `dlbfluid._stability.critical_step_size` one scenario at a time (the pseudospectral
    method with 8 Chebyshev nodes, as `verify` ran it); *after*,
-   `dlbfluid._critical_batch.batch_critical_step_size` on chunks of `--chunk` (compile
+   `dlbfluid._stability.batch_critical_step_size` on chunks of `--chunk` (compile
    timed separately on a warm-up chunk). Also the largest relative difference.
 2. **`verify --ladder none`** on `--verify` scenarios at the settings of the earlier
    record (2-6 cells, horizon 100 s, tick 0.05 s, chunks of `--chunk`): *before*, the
@@ -32,10 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import dlbfluid
-from dlbfluid._critical_batch import batch_critical_step_size
 from dlbfluid._equilibrium import solve_equilibrium
 from dlbfluid._scenario import scenario_from_dict, stack_scenarios
-from dlbfluid._stability import critical_step_size
+from dlbfluid._stability import batch_critical_step_size, critical_step_size
 from dlbfluid._verify import draw_scenario, flow_policies, verify
 
 dlbfluid.enable_x64()

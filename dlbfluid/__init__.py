@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from ._costs import cost_from_name as cost_from_name
     from ._costs import destination_cost as destination_cost
     from ._costs import route_costs as route_costs
-    from ._critical_batch import BatchStability as BatchStability
-    from ._critical_batch import batch_critical_step_size as batch_critical_step_size
     from ._devices import use_cpu_cores as use_cpu_cores
     from ._equilibrium import EQ_STATUS as EQ_STATUS
     from ._equilibrium import EquilibriumError as EquilibriumError
@@ -102,8 +100,10 @@ if TYPE_CHECKING:
     from ._simulate import STATUS as STATUS
     from ._simulate import SimulationError as SimulationError
     from ._simulate import Solution as Solution
+    from ._stability import BatchStability as BatchStability
     from ._stability import HerdingResult as HerdingResult
     from ._stability import StabilityResult as StabilityResult
+    from ._stability import batch_critical_step_size as batch_critical_step_size
     from ._stability import characteristic_roots as characteristic_roots
     from ._stability import critical_step_size as critical_step_size
     from ._stability import herding as herding

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._aversion import ErrorAversion
-from ._critical_batch import batch_critical_step_size
 from ._distributed import Processes
 from ._equilibrium import solve_equilibrium
 from ._estimation import fit_latency_model, perturb_service, sample_latency
@@ -42,6 +41,7 @@ from ._precision import require_x64
 from ._progress import Progress
 from ._scenario import scenario_from_dict, stack_scenarios
 from ._simulate import simulate
+from ._stability import batch_critical_step_size
 from ._step_rule import padded, paper_step_sizes
 
 FIT_SAMPLES = 500

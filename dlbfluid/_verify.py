@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._critical_batch import batch_critical_step_size
 from ._defaults import STEP_BASES, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
 from ._distributed import Processes
 from ._equilibrium import solve_equilibrium
@@ -40,7 +39,7 @@ from ._progress import Progress
 from ._registry import flow_policy_names
 from ._scenario import check_capacity, scenario_from_dict, stack_scenarios
 from ._simulate import simulate
-from ._stability import scale_delays
+from ._stability import batch_critical_step_size, scale_delays
 from ._step_rule import paper_step_sizes
 from ._theorem1 import (
     Ladder,

@@ -16,11 +16,10 @@ from helpers import THREE, random_scenario, symmetric_pair
 
 import dlbfluid as dl
 from dlbfluid._cli import main
-from dlbfluid._critical_batch import batch_critical_step_size
 from dlbfluid._equilibrium import solve_equilibrium
 from dlbfluid._lyapunov import fit_theorem1
 from dlbfluid._scenario import scenario_from_dict, stack_scenarios
-from dlbfluid._stability import critical_step_size
+from dlbfluid._stability import batch_critical_step_size, critical_step_size
 from dlbfluid._theorem1 import (
     ESTIMATES,
     delay_share,

@@ -17,7 +17,7 @@ from helpers import THREE, symmetric_pair
 
 import dlbfluid as dl
 from dlbfluid._costs import cost_from_name
-from dlbfluid._critical_batch import batch_critical_step_size
+from dlbfluid._stability import batch_critical_step_size
 from dlbfluid._theorem1 import (
     ESTIMATES,
     batch_start_terms,

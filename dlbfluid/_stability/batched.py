@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ._costs import cost_from_name
-from ._results import RESULTS, status_names, view
-from ._stability import _flow_policy
+from .._costs import cost_from_name
+from .._results import RESULTS, status_names, view
+from .linearisation import _flow_policy
 
 # The ladder of step sizes relative to the symmetric-scaling guess, ratio 8 from 1/16 to
 # 2048 (eta*/guess was 0.6 to 600 on random networks), bisections inside the first

@@ -47,16 +47,16 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 
-from ._defaults import FLOW_POLICIES
-from ._defaults import STABILITY_METHODS as METHODS
-from ._defaults import STABILITY_NODES as DEFAULT_NODES
-from ._equilibrium import solve_equilibrium
-from ._policies import AbstractPolicy, FlowRouting, policy_from_name
-from ._precision import require_x64
-from ._progress import Progress
-from ._registry import flow_policy_names
-from ._scenario import Scenario
-from ._simulate import Fast, simulate
+from .._defaults import FLOW_POLICIES
+from .._defaults import STABILITY_METHODS as METHODS
+from .._defaults import STABILITY_NODES as DEFAULT_NODES
+from .._equilibrium import solve_equilibrium
+from .._policies import AbstractPolicy, FlowRouting, policy_from_name
+from .._precision import require_x64
+from .._progress import Progress
+from .._registry import flow_policy_names
+from .._scenario import Scenario
+from .._simulate import Fast, simulate
 
 AUTO_PSEUDOSPECTRAL_SIZE = 600
 """`method="auto"` uses the pseudospectral method up to this generator size $(M+1)d$."""
