@@ -187,11 +187,7 @@ def _rows(values):
 def test_findings_for_the_new_kinds():
     """The notebook's checks of the homogeneous, heterogeneity and tick kinds (their
     verdicts feed the README's findings list)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "notebooks"))
-    import _paper_eval_helpers as h
+    from dlbfluid import _paper_findings as h
 
     dlb = dict.fromkeys(h.DLB, 0.95)
     (f,) = h.check_homogeneous(_rows({"homogeneous": {"rand": 1.0, **dlb}}))
