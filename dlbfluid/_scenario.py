@@ -19,12 +19,51 @@ from typing import Any
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from ._errors import OverloadError, ScenarioError
 from ._registry import SERVICE_MODELS
 from ._service import ServiceModel, law, service_from_cells
 from ._shapes import lead
+
+
+class ServerCells(eqx.Module):
+    """The App.-B server model of each cell (seed App. B; theory/requests.md, *App.-B cell*),
+    read only by the request-level twin (`simulate_requests(service="servers")`).
+
+    **Fields** (`(n,)` each; a batch adds a leading axis):
+    - `mask`: True where the cell has a `"servers"` object (False: padding, or a cell
+      without one).
+    - `count`: servers in the cell.
+    - `prefill_token_time`, `decode_token_time`: $t_p$, $t_d$ (s per token): a request of
+      $P$ prompt and $D$ output tokens is prefilled in $Pt_p$ and decoded in $Dt_d$.
+    - `decode_engines`, `slots`: decode engines per server and parallel slots per engine.
+    """
+
+    mask: Bool[Array, " n"]
+    count: Int[Array, " n"]
+    prefill_token_time: Float[Array, " n"]
+    decode_token_time: Float[Array, " n"]
+    decode_engines: Int[Array, " n"]
+    slots: Int[Array, " n"]
+
+
+class Workload(eqx.Module):
+    """Per-request token counts of a scenario: prompt tokens $P = \\delta_p + G_p$ and output
+    tokens $D = \\delta_o + G_o$, $G \\sim \\mathrm{Gamma}(\\alpha, \\theta)$ (shape, scale;
+    scale 0 makes the count the constant $\\delta$), independent (seed App. B; the
+    generator's `ShiftedGamma`).
+
+    **Fields:** `prompt_shift`, `prompt_shape`, `prompt_scale`, `output_shift`,
+    `output_shape`, `output_scale` (scalars; a batch adds a leading axis).
+    """
+
+    prompt_shift: Float[Array, ""]
+    prompt_shape: Float[Array, ""]
+    prompt_scale: Float[Array, ""]
+    output_shift: Float[Array, ""]
+    output_shape: Float[Array, ""]
+    output_scale: Float[Array, ""]
 
 
 class Scenario(eqx.Module):
@@ -51,6 +90,9 @@ class Scenario(eqx.Module):
       constant `replicas`.
     - `estimate`: the `ServiceModel` the routers believe (latency and gradient costs are
       evaluated with it; seed §3.3, §5.4). Default: `service` itself.
+    - `servers`: the App.-B server model of the cells (`ServerCells`), or None (no cell
+      has a `"servers"` object); read only by `simulate_requests(service="servers")`.
+    - `workload`: the per-request token counts (`Workload`), or None.
     - `name`, `cell_names`: metadata, stripped before tracing.
     """
 
@@ -70,6 +112,8 @@ class Scenario(eqx.Module):
     replica_times: Float[Array, "n Q"] = None  # type: ignore[assignment]
     replica_counts: Float[Array, "n Q"] = None  # type: ignore[assignment]
     estimate: ServiceModel = None  # type: ignore[assignment]
+    servers: ServerCells | None = None
+    workload: Workload | None = None
 
     def __post_init__(self):
         k = jnp.asarray(self.replicas)
@@ -237,7 +281,85 @@ _CELL_KEYS = (
     "estimated_service",
     "buffer",
     "replica_schedule",
+    "servers",
 )
+
+SERVER_KEYS = ("count", "prefill_token_time", "decode_token_time", "decode_engines", "slots")
+"""Keys of a cell's `"servers"` object; `count` defaults to the cell's `replicas`,
+`decode_engines` to 2 and `slots` to 4 (seed App. B)."""
+DECODE_SLOTS_MAX = 1024
+"""Largest `decode_engines` x `slots` of a server (a static array axis of the twin)."""
+TOKEN_KEYS = ("shift", "shape", "scale")
+"""Keys of a token-count law of the `"workload"` object (a shifted Gamma)."""
+
+
+def _integer(field: str, value: Any, lo: int, hi: int) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+        or not lo <= value <= hi
+    ):
+        raise _err(field, value, f"expected an integer in [{lo}, {hi}]")
+    return int(value)
+
+
+def _parse_servers(field: str, value: Any, replicas: float) -> tuple:
+    """`(count, t_p, t_d, engines, slots)` of a cell's `"servers"` object (seed App. B)."""
+    if not isinstance(value, dict):
+        raise _err(field, value, f"expected an object with keys {', '.join(SERVER_KEYS)}")
+    unknown = set(value) - set(SERVER_KEYS)
+    if unknown:
+        raise _err(field, sorted(unknown), f"unknown keys; allowed: {', '.join(SERVER_KEYS)}")
+    for key in ("prefill_token_time", "decode_token_time"):
+        if key not in value:
+            raise _err(f"{field}.{key}", None, "required: seconds per token, a number > 0")
+    count = _integer(f"{field}.count", value.get("count", int(replicas)), 1, REPLICAS_MAX)
+    tp = _finite_number(
+        f"{field}.prefill_token_time", value["prefill_token_time"], minimum=0.0, strict=True
+    )
+    td = _finite_number(
+        f"{field}.decode_token_time", value["decode_token_time"], minimum=0.0, strict=True
+    )
+    engines = _integer(
+        f"{field}.decode_engines", value.get("decode_engines", 2), 1, DECODE_SLOTS_MAX
+    )
+    slots = _integer(f"{field}.slots", value.get("slots", 4), 1, DECODE_SLOTS_MAX)
+    if engines * slots > DECODE_SLOTS_MAX:
+        raise _err(
+            field,
+            value,
+            f"decode_engines x slots = {engines * slots}: expected at most {DECODE_SLOTS_MAX}",
+        )
+    return count, tp, td, engines, slots
+
+
+def _parse_tokens(field: str, value: Any) -> tuple[float, float, float]:
+    """`(shift, shape, scale)` of a shifted-Gamma token law: shift >= 0, shape > 0,
+    scale >= 0 (0: the constant `shift`), mean shift + shape * scale > 0."""
+    if not isinstance(value, dict) or set(value) != set(TOKEN_KEYS):
+        raise _err(field, value, "expected an object with exactly the keys shift, shape, scale")
+    shift = _finite_number(f"{field}.shift", value["shift"], minimum=0.0)
+    shape = _finite_number(f"{field}.shape", value["shape"], minimum=0.0, strict=True)
+    scale = _finite_number(f"{field}.scale", value["scale"], minimum=0.0)
+    if not shift + shape * scale > 0:
+        raise _err(field, value, "expected a positive mean shift + shape * scale")
+    return shift, shape, scale
+
+
+def _parse_workload(value: Any) -> Workload:
+    """The top-level `"workload"`: `{"prompt_tokens": LAW, "output_tokens": LAW}`."""
+    keys = {"prompt_tokens", "output_tokens"}
+    if not isinstance(value, dict) or set(value) != keys:
+        raise _err(
+            "workload",
+            value,
+            "expected an object with exactly the keys prompt_tokens, output_tokens",
+        )
+    p = _parse_tokens("workload.prompt_tokens", value["prompt_tokens"])
+    o = _parse_tokens("workload.output_tokens", value["output_tokens"])
+    return Workload(*(jnp.asarray(v, dtype=jnp.result_type(float)) for v in (*p, *o)))
 
 
 def _parse_replica_schedule(field: str, cell: dict, k: float) -> tuple[list, list]:
@@ -285,12 +407,12 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     """
     if not isinstance(data, dict):
         raise _err("scenario", type(data).__name__, "expected a JSON object")
-    unknown = set(data) - {"name", "cells", "latency", "initial", "description"}
+    unknown = set(data) - {"name", "cells", "latency", "initial", "description", "workload"}
     if unknown:
         raise _err(
             "scenario",
             sorted(unknown),
-            "unknown top-level keys; allowed: name, description, cells, latency, initial",
+            "unknown top-level keys; allowed: name, description, cells, latency, initial, workload",
         )
     name = data.get("name", "scenario")
     if not isinstance(name, str):
@@ -303,6 +425,7 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     n = len(cells)
     names, profiles, replicas, services = [], [], [], []
     estimates, buffers, schedules = [], [], []
+    servers: list[tuple | None] = []
     for j, cell in enumerate(cells):
         f = f"cells[{j}]"
         if not isinstance(cell, dict):
@@ -338,8 +461,21 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
             else math.inf
         )
         schedules.append(_parse_replica_schedule(f"{f}.replica_schedule", cell, replicas[-1]))
+        if "servers" in cell:
+            servers.append(_parse_servers(f"{f}.servers", cell["servers"], replicas[-1]))
+        else:
+            servers.append(None)
     if len(set(names)) != n:
         raise _err("cells[].name", names, "cell names must be unique")
+    workload = _parse_workload(data["workload"]) if "workload" in data else None
+    with_servers = [j for j in range(n) if servers[j] is not None]
+    if with_servers and workload is None:
+        raise _err(
+            "workload",
+            None,
+            f"required when a cell has a 'servers' object (cells {with_servers}): "
+            "{'prompt_tokens': {shift, shape, scale}, 'output_tokens': {...}}",
+        )
 
     lat = data.get("latency")
     if (
@@ -444,10 +580,27 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
         replica_times=jnp.asarray(rep_t),
         replica_counts=jnp.asarray(rep_k),
         estimate=service_from_cells(estimates),
+        servers=_server_cells(servers) if with_servers else None,
+        workload=workload,
     )
     if not allow_overload:
         check_capacity(scn)
     return scn
+
+
+def _server_cells(rows: list) -> ServerCells:
+    """`ServerCells` from per-cell `_parse_servers` tuples (None: a cell without one)."""
+    filler = (0, 1.0, 1.0, 1, 1)
+    vals = [r if r is not None else filler for r in rows]
+    col = [np.array([v[q] for v in vals]) for q in range(5)]
+    return ServerCells(
+        mask=jnp.asarray(np.array([r is not None for r in rows])),
+        count=jnp.asarray(col[0].astype(np.int32)),
+        prefill_token_time=jnp.asarray(col[1].astype(float)),
+        decode_token_time=jnp.asarray(col[2].astype(float)),
+        decode_engines=jnp.asarray(col[3].astype(np.int32)),
+        slots=jnp.asarray(col[4].astype(np.int32)),
+    )
 
 
 def proportional_routing(allowed, weights, xp=np):
@@ -512,11 +665,20 @@ def scenario_to_dict(scn: Scenario) -> dict:
         rk = np.asarray(scn.replica_counts[j])
         if np.any(rk != float(scn.replicas[j])):
             cell["replica_schedule"] = {"times": rt.tolist(), "replicas": rk.tolist()}
+        sv = scn.servers
+        if sv is not None and bool(sv.mask[j]):
+            cell["servers"] = {
+                "count": int(sv.count[j]),
+                "prefill_token_time": float(sv.prefill_token_time[j]),
+                "decode_token_time": float(sv.decode_token_time[j]),
+                "decode_engines": int(sv.decode_engines[j]),
+                "slots": int(sv.slots[j]),
+            }
         cells.append(cell)
     tau = np.asarray(scn.latency)
     allowed = np.asarray(scn.allowed)
     latency = [[float(tau[i, j]) if allowed[i, j] else None for j in range(n)] for i in range(n)]
-    return {
+    out = {
         "name": scn.name,
         "cells": cells,
         "latency": latency,
@@ -525,6 +687,13 @@ def scenario_to_dict(scn: Scenario) -> dict:
             "routing": np.asarray(scn.initial_routing)[:n, :n].tolist(),
         },
     }
+    w = scn.workload
+    if w is not None:
+        out["workload"] = {
+            f"{part}_tokens": {key: float(getattr(w, f"{part}_{key}")) for key in TOKEN_KEYS}
+            for part in ("prompt", "output")
+        }
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -671,10 +840,13 @@ def pad_scenario(
     *,
     laws: tuple[str, ...] | None = None,
     est_laws: tuple[str, ...] | None = None,
+    with_servers: bool = False,
 ) -> Scenario:
     """Pad one scenario to `n` cells (`n_breakpoints` arrival breakpoints, `n_schedule`
     replica-schedule entries); `laws`, `est_laws` widen the service tables of `service`
-    and `estimate` to those laws (for stacking scenarios of different laws)."""
+    and `estimate` to those laws (for stacking scenarios of different laws);
+    `with_servers` gives a scenario without `servers`/`workload` inert ones (no cell has
+    servers; a unit workload), so that it stacks with scenarios that have them."""
     m = scn.n_cells
     if n < m:
         raise ValueError(f"cannot pad a {m}-cell scenario to n = {n} cells")
@@ -720,6 +892,21 @@ def pad_scenario(
             jnp.asarray(cells(sv.model, SERVICE_MODELS.index(sv.laws[0]))), params, laws=sv.laws
         )
 
+    sv = scn.servers
+    if sv is None and with_servers:
+        sv = _server_cells([None] * m)
+    if sv is not None:
+        sv = ServerCells(
+            mask=jnp.asarray(cells(sv.mask, False)),
+            count=jnp.asarray(cells(sv.count, 0)),
+            prefill_token_time=jnp.asarray(cells(sv.prefill_token_time, 1.0)),
+            decode_token_time=jnp.asarray(cells(sv.decode_token_time, 1.0)),
+            decode_engines=jnp.asarray(cells(sv.decode_engines, 1)),
+            slots=jnp.asarray(cells(sv.slots, 1)),
+        )
+    wl = scn.workload
+    if wl is None and (with_servers or sv is not None):
+        wl = Workload(*(jnp.asarray(v, dtype=jnp.result_type(float)) for v in (1, 1, 0, 1, 1, 0)))
     return Scenario(
         arrival_times=jnp.asarray(cells(times, 0.0)),
         arrival_rates=jnp.asarray(cells(rates, 0.0)),
@@ -736,6 +923,8 @@ def pad_scenario(
         initial_routing=jnp.asarray(square(scn.initial_routing, 0.0)),
         name=scn.name,
         cell_names=scn.cell_names,
+        servers=sv,
+        workload=wl,
     )
 
 
@@ -756,7 +945,11 @@ def stack_scenarios(
     Q = max(s.replica_times.shape[-1] for s in scenarios)
     svc = tuple(dict.fromkeys([*laws, *(m for s in scenarios for m in s.service.laws)]))
     est = tuple(dict.fromkeys([*laws, *(m for s in scenarios for m in s.estimate.laws)]))
-    padded = [pad_scenario(s, n, P, Q, laws=svc, est_laws=est).strip() for s in scenarios]
+    with_servers = any(s.servers is not None or s.workload is not None for s in scenarios)
+    padded = [
+        pad_scenario(s, n, P, Q, laws=svc, est_laws=est, with_servers=with_servers).strip()
+        for s in scenarios
+    ]
     leaves = [eqx.filter(p, eqx.is_array) for p in padded]
     import jax
 

@@ -401,7 +401,7 @@ def test_bad_inputs_are_named(kwargs, match):
 
 
 def test_servers_needs_mm1_cells():
-    with pytest.raises(ValueError, match="prefill/decode server model is not implemented"):
+    with pytest.raises(ValueError, match=r"needs a 'servers' object on cells\[0\]"):
         simulate_requests(scenario_from_dict(helpers.three()), "rand", service="servers")
     d = copy.deepcopy(one_cell())
     d["cells"][0]["replica_schedule"] = {"times": [0.0, 0.5], "replicas": [1, 2]}

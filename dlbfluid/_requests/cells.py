@@ -7,10 +7,14 @@ end-to-end latency is counted (its arrival at the root router less its one-way d
 that latency = completion time - origin = $2\\tau_{ij}$ + sojourn).
 
 The event loop (`dlbfluid._requests.loop`) never asks which kind it holds: it reads the
-per-cell completion rates, admits a request to a cell, or completes one, through the four
-methods below. Every method acts on one cell `j` chosen by the loop (a traced index) and
-touches O(1) (markov) or O(servers) (servers) entries, never a whole slot array, so that
-an event costs the same whatever the capacity.
+per-cell completion rates and next deterministic event times, admits a request to a cell,
+or completes one, through the methods below. A kind's completions are either random
+(competing exponentials at `rates`; `next_time` is $+\\infty$: markov, exponential FIFO
+servers) or deterministic (`rates` is 0 and `next_time` says when the cell's next internal
+event is due: the App.-B prefill/decode servers). Every method acts on one cell `j`
+chosen by the loop (a traced index) and touches O(1) (markov) or O(servers + queue)
+(servers) entries, never a whole slot array, so that an event costs the same whatever
+the capacity.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ class AbstractCells(eqx.Module):
     """A cell kind (module docstring). Concrete kinds are final."""
 
     @abc.abstractmethod
-    def init(self, counts: Int[Array, " n"], dtype):
+    def init(self, counts: Int[Array, " n"], dtype, key):
         """The state with `counts[j]` requests present in cell `j` at $t = 0$ (origin 0),
-        and a flag that is True if they do not fit the slots."""
+        and a flag that is True if they do not fit the slots. `key`: the trial's PRNG key
+        of the cells (for kinds that draw per-request quantities)."""
 
     @abc.abstractmethod
     def count(self, state) -> Int[Array, " n"]:
@@ -38,15 +43,20 @@ class AbstractCells(eqx.Module):
         """Total completion rate of each cell in the current state (requests/s)."""
 
     @abc.abstractmethod
+    def next_time(self, state) -> Float[Array, " n"]:
+        """Time of each cell's next deterministic internal event ($+\\infty$: none)."""
+
+    @abc.abstractmethod
     def utilisation(self, state) -> Float[Array, " n"]:
         """Instantaneous utilisation of each cell in $[0, 1]$."""
 
     @abc.abstractmethod
-    def admit(self, state, j, origin, ok: Bool[Array, ""]):
-        """`(state, overflow)`: request of origin `origin` placed in cell `j` if `ok`;
-        `overflow` is True (and the state unchanged) when `ok` but no slot is free."""
+    def admit(self, state, j, origin, t, ok: Bool[Array, ""]):
+        """`(state, overflow)`: request of origin `origin` placed in cell `j` at time `t` if
+        `ok`; `overflow` is True (and the state unchanged) when `ok` but no slot is free."""
 
     @abc.abstractmethod
-    def complete(self, state, j, u, ok: Bool[Array, ""]):
-        """`(state, origin)`: if `ok`, one request of cell `j` leaves (chosen by the kind's
-        discipline from the uniform `u` in [0, 1)) and its origin is returned."""
+    def complete(self, state, j, u, t, ok: Bool[Array, ""]):
+        """`(state, origin, left)`: if `ok`, cell `j`'s event at time `t` happens (chosen by
+        the kind's discipline, from the uniform `u` in [0, 1) for random completions);
+        `left` is True when a request leaves the cell, `origin` is its origin."""

@@ -12,7 +12,8 @@ one at a time, exactly:
   (thinning: the accepted arrivals are Poisson of rate $k\\lambda_i(t)$);
 * the *deterministic* events: a request routed on arc $(i,j)$ reaches cell $j$ exactly
   $\\tau_{ij}$ after its arrival (per-arc FIFO rings, in order since $\\tau_{ij}$ is fixed),
-  and the tick's end.
+  a cell's internal event (`AbstractCells.next_time`: the end of a prefill or a decode
+  in the App.-B servers), and the tick's end.
 
 The earliest wins; a random candidate beyond a deterministic event is discarded and
 redrawn (memorylessness makes this exact). Router $i$'s probe of cell $j$ for the update
@@ -140,7 +141,8 @@ def init_state(tr: Trial, key) -> LoopState:
     n, dtype = scn.n_cells, scn.latency.dtype
     counts = jnp.round(tr.scale * scn.initial_workload).astype(jnp.int32)
     counts = jnp.where(scn.cell_mask, counts, 0)
-    cells, over = tr.cells.init(counts, dtype)
+    # (the cells' own key: the loop's stream of uniforms stays that of `key`)
+    cells, over = tr.cells.init(counts, dtype, jr.fold_in(key, 1))
     x0 = tr.policy.initial_routing(scn, tr.aux).astype(dtype)
     seen = counts.astype(dtype) / tr.scale
     zi = jnp.zeros(n, jnp.int32)
@@ -211,8 +213,12 @@ def _event(tr: Trial, k, t_end, st: LoopState):
     due = jnp.where(st.size > 0, st.front + setup.tau, jnp.inf)
     a = jnp.argmin(due.reshape(-1))
     t_del = due.reshape(-1)[a]
+    # A cell's deterministic internal event (App.-B servers; +inf for the other kinds).
+    nxt = tr.cells.next_time(st.cells)
+    jn = jnp.argmin(nxt)
+    t_cell = nxt[jn]
 
-    t_ev = jnp.minimum(t_rand, t_del)
+    t_ev = jnp.minimum(jnp.minimum(t_rand, t_del), t_cell)
     stop = t_ev >= t_end
     t_new = jnp.where(stop, t_end, t_ev)
 
@@ -224,8 +230,9 @@ def _event(tr: Trial, k, t_end, st: LoopState):
     busy = stats.busy + tr.cells.utilisation(st.cells) * dt
     pending, taken = _probe(tr, st, t_new - k * setup.h, stop)
 
-    is_del = ~stop & (t_del <= t_rand)
-    is_rnd = ~stop & ~is_del
+    is_del = ~stop & (t_del <= t_rand) & (t_del <= t_cell)
+    is_int = ~stop & ~is_del & (t_cell <= t_rand)
+    is_rnd = ~stop & ~is_del & ~is_int
     pick = jnp.minimum(
         jnp.searchsorted(cw, u[1] * total, side="right", method="compare_all"), 2 * n - 1
     )
@@ -254,8 +261,9 @@ def _event(tr: Trial, k, t_end, st: LoopState):
     reject = admit & (count[j_in].astype(dtype) >= tr.buffer[j_in])
     # An event admits or completes, never both; completing first lets every read of the
     # cells' arrays come before any write, so that the writes stay in place in the loop.
-    cells, leaving = tr.cells.complete(st.cells, jc, u[4], is_cmp)
-    cells, over_cell = tr.cells.admit(cells, j_in, origin, admit & ~reject)
+    j_out = jnp.where(is_int, jn, jc)
+    cells, leaving, left = tr.cells.complete(st.cells, j_out, u[4], t_new, is_cmp | is_int)
+    cells, over_cell = tr.cells.admit(cells, j_in, origin, t_new, admit & ~reject)
     latency = t_new - leaving
 
     slot_len = st.size[i, ja]
@@ -277,7 +285,7 @@ def _event(tr: Trial, k, t_end, st: LoopState):
 
     lost = reject | over_cell
     win = t_new >= tr.warmup
-    served = is_cmp & win
+    served = left & win
     bin_ = tr.histogram.index(latency)
     stats = Stats(
         served=stats.served + served.astype(jnp.int32),

@@ -38,7 +38,7 @@ class MarkovCells(AbstractCells):
     scale: Float[Array, ""]
     slots: int = eqx.field(static=True)
 
-    def init(self, counts, dtype):
+    def init(self, counts, dtype, key):
         n = counts.shape[0]
         over = jnp.any(counts > self.slots)
         count = jnp.minimum(counts, self.slots).astype(jnp.int32)
@@ -53,10 +53,13 @@ class MarkovCells(AbstractCells):
     def rates(self, state):
         return self.scale * self._fluid_rate(state)
 
+    def next_time(self, state):
+        return jnp.full(self.service.capacity.shape, jnp.inf, self.scale.dtype)
+
     def utilisation(self, state):
         return self._fluid_rate(state) / self.service.capacity
 
-    def admit(self, state, j, origin, ok):
+    def admit(self, state, j, origin, t, ok):
         c = state.count[j]
         full = c >= self.slots
         do = ok & ~full
@@ -66,7 +69,7 @@ class MarkovCells(AbstractCells):
         new_origin = state.origin.at[j, slot].set(origin, mode="drop")
         return MarkovState(new_origin, state.count.at[j].add(do.astype(jnp.int32))), ok & full
 
-    def complete(self, state, j, u, ok):
+    def complete(self, state, j, u, t, ok):
         c = state.count[j]
         do = ok & (c > 0)
         r = jnp.clip(jnp.floor(u * c).astype(jnp.int32), 0, jnp.maximum(c - 1, 0))
@@ -75,4 +78,4 @@ class MarkovCells(AbstractCells):
         leaving, moved = state.origin[j, jnp.stack([r, last])]
         new_origin = state.origin.at[j, jnp.where(do, r, self.slots)].set(moved, mode="drop")
         count = state.count.at[j].add(-do.astype(jnp.int32))
-        return MarkovState(new_origin, count), leaving
+        return MarkovState(new_origin, count), leaving, ok

@@ -42,7 +42,7 @@ class FifoServers(AbstractCells):
     max_servers: int = eqx.field(static=True)
     queue: int = eqx.field(static=True)
 
-    def init(self, counts, dtype):
+    def init(self, counts, dtype, key):
         n, S = counts.shape[0], self.max_servers
         k = jnp.maximum(self.servers, 1)[:, None]
         s = jnp.arange(S)[None, :]
@@ -63,11 +63,14 @@ class FifoServers(AbstractCells):
     def rates(self, state):
         return self.rate * self._busy(state).astype(self.rate.dtype)
 
+    def next_time(self, state):
+        return jnp.full(self.rate.shape, jnp.inf, self.rate.dtype)
+
     def utilisation(self, state):
         busy = self._busy(state).astype(self.rate.dtype)
         return jnp.where(self.servers > 0, busy / jnp.maximum(self.servers, 1), 0.0)
 
-    def admit(self, state, j, origin, ok):
+    def admit(self, state, j, origin, t, ok):
         sizes = state.size[j]
         valid = jnp.arange(self.max_servers) < self.servers[j]
         s = jnp.argmin(jnp.where(valid, sizes, jnp.iinfo(jnp.int32).max))
@@ -81,7 +84,7 @@ class FifoServers(AbstractCells):
         size = state.size.at[j, s].add(do.astype(jnp.int32))
         return ServersState(new_origin, state.head, size), ok & full
 
-    def complete(self, state, j, u, ok):
+    def complete(self, state, j, u, t, ok):
         busy = (state.size[j] > 0).astype(jnp.int32)
         nb = jnp.sum(busy)
         do = ok & (nb > 0)
@@ -95,4 +98,4 @@ class FifoServers(AbstractCells):
         d = do.astype(jnp.int32)
         head = state.head.at[j, s].set((h + d) % self.queue)
         size = state.size.at[j, s].add(-d)
-        return ServersState(state.origin, head, size), leaving
+        return ServersState(state.origin, head, size), leaving, ok

@@ -19,6 +19,7 @@ from .._simulate import _hist_len, _setup
 from .histogram import LatencyHistogram
 from .loop import Trial, _batched, init_state, run_tick
 from .markov import MarkovCells
+from .prefill_decode import PrefillDecodeCells
 from .servers import FifoServers
 from .solution import RequestSolution
 
@@ -46,6 +47,9 @@ class _Config(eqx.Module):
     events: int
     max_servers: int
     histogram: LatencyHistogram
+    # App.-B prefill/decode servers (`service="servers"` with a cell's `servers` object)
+    prefill_decode: bool = False
+    max_slots: int = 1
 
 
 def _bad(field: str, value, allowed: str) -> ValueError:
@@ -68,8 +72,11 @@ def _trial(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> Trial:
     h = jnp.asarray(cfg.tick, dtype)
     mask = scn.cell_mask
     buffer = jnp.where(jnp.isfinite(scn.buffer), jnp.floor(scale * scn.buffer), jnp.inf)
+    cells: MarkovCells | FifoServers | PrefillDecodeCells
     if cfg.service == "markov":
-        cells: MarkovCells | FifoServers = MarkovCells(scn.service, scale, cfg.slots)
+        cells = MarkovCells(scn.service, scale, cfg.slots)
+    elif cfg.prefill_decode:
+        cells = _prefill_decode(scn, scale, cfg)
     else:
         servers = jnp.where(mask, jnp.round(scn.replicas * scale), 0).astype(jnp.int32)
         cells = FifoServers(
@@ -91,6 +98,33 @@ def _trial(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> Trial:
         arc_slots=cfg.arc_slots,
         events=cfg.events,
         histogram=cfg.histogram,
+    )
+
+
+def _prefill_decode(scn, scale, cfg: _Config) -> PrefillDecodeCells:
+    """App.-B cells of one scenario at scale $k$: $kk_j$ servers (`servers.count`), and the
+    M/M/1 cells without a `servers` object as $kk_j$ exponential FIFO servers."""
+    sv, w, mask = scn.servers, scn.workload, scn.cell_mask
+    has = mask & sv.mask
+    count = jnp.where(has, sv.count.astype(scale.dtype), scn.replicas)
+    servers = jnp.where(mask, jnp.round(count * scale), 0).astype(jnp.int32)
+    slots = jnp.where(has, sv.decode_engines * sv.slots, 1).astype(jnp.int32)
+    prompt = w.prompt_shift + w.prompt_shape * w.prompt_scale
+    output = w.output_shift + w.output_shape * w.output_scale
+    prefill = sv.prefill_token_time * prompt
+    decode = sv.decode_token_time * output / slots
+    return PrefillDecodeCells(
+        servers=servers,
+        prefill_token_time=sv.prefill_token_time,
+        decode_token_time=sv.decode_token_time,
+        decode_slots=slots,
+        exponential=~has,
+        rate=scn.service.capacity / scn.replicas,
+        prefill_bound=~has | (prefill >= decode),
+        workload=w,
+        max_servers=cfg.max_servers,
+        queue=cfg.slots,
+        max_slots=cfg.max_slots,
     )
 
 
@@ -179,8 +213,11 @@ def simulate_requests(
     - `policy`: a registered policy name or an `AbstractPolicy` (`ErrorAverse` included).
     - `service`: `"markov"` (default): cell $j$ with $N$ requests completes at rate
       $k\\mu_j(N/k)$, each present request equally likely (`MarkovCells`); `"servers"`:
-      cell $j$ is $kk_j$ exponential FIFO servers of rate $\\bar\\mu_j/k_j$ each, a request
-      joining the least-loaded one (`FifoServers`; M/M/1 cells only).
+      a cell with a `servers` object is $k$ times its count of App.-B prefill/decode
+      servers, requests drawing their token counts from the scenario's `workload`
+      (`PrefillDecodeCells`); an M/M/1 cell without one is $kk_j$ exponential FIFO servers
+      of rate $\\bar\\mu_j/k_j$ each (`FifoServers` when no cell has a `servers` object);
+      a request joins the least-loaded server. Other cells need `"markov"`.
     - `scale`: $k$, a positive integer or one per scenario `(B,)`: arrival rates,
       replicas and buffers times $k$, service $k\\mu_j(N/k)$. $N^k/k \\to$ the fluid $N$.
     - `trials`: independent trials per scenario (each its own PRNG key from `seed`).
@@ -188,8 +225,9 @@ def simulate_requests(
       paper's 5 ms probe period); `horizon` must be a whole number of ticks.
     - `warmup`: statistics count only $[$`warmup`$, T]$ (the saved counts cover all).
     - `slots`: requests a cell can hold (`markov`), or each server's queue (`servers`);
-      default: the largest scaled buffer + 1 when every buffer is finite, else four times
-      the fluid workload at 95% of capacity, at least 64. `arc_slots`: requests in flight
+      default: the largest scaled buffer + 1 when every buffer is finite (App.-B servers:
+      the largest $\\lfloor kB_j/S_j\\rfloor + 2$, which join-the-shortest-queue cannot
+      exceed), else four times the fluid workload at 95% of capacity, at least 64. `arc_slots`: requests in flight
       per arc (default from the arrival rates and delays). `events`: events per tick
       (default six standard deviations above the largest Poisson mean). Exceeding any of
       them is a status, never a silent truncation.
@@ -274,25 +312,49 @@ def simulate_requests(
     lam = np.asarray(scn.arrival_rates)
     if not np.all(np.isfinite(lam)):
         raise _bad("scenario.arrival_rates", "non-finite rates", "expected finite rates")
-    max_servers = 1
+    max_servers, max_slots, prefill_decode = 1, 1, False
+    pd_caps = np.zeros((B, n))
     if service == "servers":
         models = np.asarray(scn.service.model)
-        if np.any(mask & (models != law_code("mm1"))):
+        has = np.zeros((B, n), bool) if scn.servers is None else mask & np.asarray(scn.servers.mask)
+        bad = mask & ~has & (models != law_code("mm1"))
+        if np.any(bad):
+            b, j = (int(v[0]) for v in np.nonzero(bad))
+            names = scenario.cell_names
+            cell = f"cells[{j}]" + (f" ({names[j]!r})" if not batched and names else "")
             raise _bad(
                 "service",
                 service,
-                "'servers' needs M/M/1 cells (k_j exponential FIFO servers); the App.-B "
-                "prefill/decode server model is not implemented: use service='markov'",
+                f"'servers' needs a 'servers' object on {cell}"
+                + (f" of scenario {b}" if batched else "")
+                + " (the App.-B prefill/decode servers: README, Scenario files) or an M/M/1 "
+                "cell (k_j exponential FIFO servers); use service='markov' for other laws",
             )
+        prefill_decode = bool(np.any(has))
         count = reps * k_b[:, None]
-        if np.any(mask & (np.abs(count - np.round(count)) > 1e-9)):
+        if np.any(mask & ~has & (np.abs(count - np.round(count)) > 1e-9)):
             raise _bad("scenario.replicas", reps.tolist(), "'servers' needs integer replicas")
+        if prefill_decode:
+            sv, wl = scn.servers, scn.workload
+            assert sv is not None and wl is not None  # (stack_scenarios fills both)
+            count = np.where(has, np.asarray(sv.count) * k_b[:, None], count)
+            engines = np.asarray(sv.decode_engines) * np.asarray(sv.slots)
+            max_slots = int(np.max(np.where(has, engines, 1)))
+            # Stage capacities (requests/s): prefill S/(t_p E[P]), decode S D/(t_d E[D]).
+            mean_p = np.asarray(wl.prompt_shift + wl.prompt_shape * wl.prompt_scale)[:, None]
+            mean_o = np.asarray(wl.output_shift + wl.output_shape * wl.output_scale)[:, None]
+            tp, td = np.asarray(sv.prefill_token_time), np.asarray(sv.decode_token_time)
+            pd_caps = np.where(has, count * (1 / (tp * mean_p) + engines / (td * mean_o)), 0.0)
         max_servers = int(np.max(np.where(mask, np.round(count), 1)))
 
     kmax = float(k_b.max())
     if slots is None:
         if np.all(np.isfinite(buf[mask])):
             need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)))) + 1
+            if prefill_decode:
+                # Join the shortest queue: a server holds at most floor(kB_j / S_j) + 1.
+                S_j = np.maximum(np.round(count), 1)
+                need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)) / S_j)) + 2
         else:
             cap = jnp.asarray(np.asarray(scn.service.capacity))
             work = np.asarray(scn.service.inverse_rate(0.95 * cap))
@@ -300,6 +362,8 @@ def simulate_requests(
             need = 4 * float(np.max(k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0)))
             if service == "servers":
                 need = need / max(max_servers, 1)
+                if prefill_decode:
+                    need = need + 2 * max_slots
         slots = _pow2(max(64.0, need))
     slots = _count("slots", slots)
     tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
@@ -312,6 +376,8 @@ def simulate_requests(
         # and deliveries) + k sum(capacity) (completions), plus the tick's end; six
         # standard deviations above the mean.
         caps = np.where(mask, np.asarray(scn.service.capacity), 0.0)
+        # (App.-B cells: two deterministic events per request, at the stage capacities)
+        caps = np.where(pd_caps > 0, pd_caps / k_b[:, None], caps)
         rate = np.max(k_b * (2.0 * np.where(mask, lam.max(-1), 0.0).sum(-1) + caps.sum(-1)))
         m = float(rate) * h
         events = _pow2(16.0 + m + 6.0 * math.sqrt(m))
@@ -330,6 +396,8 @@ def simulate_requests(
         events=events,
         max_servers=max_servers,
         histogram=histogram,
+        prefill_decode=prefill_decode,
+        max_slots=max_slots,
     )
     scn = jax.tree_util.tree_map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
