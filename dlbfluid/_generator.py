@@ -97,6 +97,11 @@ PREFILL_TOKENS = ShiftedGamma(shift=100.0, shape=1.5, scale=600.0)
 """Prompt tokens per request: mean 1000, SCV 0.54."""
 DECODE_TOKENS = ShiftedGamma(shift=10.0, shape=1.2, scale=200.0)
 """Output tokens per request: mean 250, SCV 0.768."""
+WORKLOAD = {
+    "prompt_tokens": dataclasses.asdict(PREFILL_TOKENS),
+    "output_tokens": dataclasses.asdict(DECODE_TOKENS),
+}
+"""The scenario files' `"workload"` of the generated scenarios (the two laws above)."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -726,9 +731,11 @@ def scenario_dicts(
 
     Each cell carries `name`, `arrival_rate` (a number when constant, else a
     piecewise-linear `{"times", "rates"}` profile from `arrival_profiles`), `replicas`,
-    the softplus `service`, `buffer` (requests) and, for cells cut by an outage,
-    `replica_schedule` `{"times": [0, t0, t1], "replicas": [k, 1, k]}`. `latency` is the
-    full one-way matrix (every arc allowed). `profile_options` go to `arrival_profiles`.
+    the softplus `service`, `buffer` (requests), the App.-B `servers` (`count` = replicas,
+    the cell's token times, `DECODE_ENGINES` engines of `DECODE_SLOTS` slots) and, for
+    cells cut by an outage, `replica_schedule` `{"times": [0, t0, t1], "replicas": [k, 1,
+    k]}`. `latency` is the full one-way matrix (every arc allowed); `workload` the token
+    laws `WORKLOAD`. `profile_options` go to `arrival_profiles`.
 
     **Raises:** `ValueError` naming a bad argument (see `arrival_profiles`).
     """
@@ -760,6 +767,13 @@ def scenario_dicts(
                     "width": float(gen.width[b, j]),
                 },
                 "buffer": float(gen.buffer[b, j]),
+                "servers": {
+                    "count": int(gen.replicas[b, j]),
+                    "prefill_token_time": float(gen.prefill_token_time[b, j]),
+                    "decode_token_time": float(gen.decode_token_time[b, j]),
+                    "decode_engines": DECODE_ENGINES,
+                    "slots": DECODE_SLOTS,
+                },
             }
             if np.any(sk[b, j] != sk[b, j, 0]):
                 cell["replica_schedule"] = {
@@ -780,6 +794,7 @@ def scenario_dicts(
                 ),
                 "cells": cells,
                 "latency": gen.latency[b, :n, :n].tolist(),
+                "workload": WORKLOAD,
             }
         )
     return out
