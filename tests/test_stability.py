@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from helpers import THREE, symmetric_pair, three
 
 import dlbfluid as dl
 from dlbfluid._stability import (
-    _Spectrum,
+    Spectrum,
     characteristic_roots,
     critical_step_size,
     generator_matrix,
@@ -28,6 +29,7 @@ from dlbfluid._stability import (
     linearise,
     oscillation,
     spectral_abscissa,
+    step_size_ratio,
     symmetric_critical_step_size,
 )
 
@@ -140,7 +142,7 @@ def test_node_convergence(three_rif):
         ref = characteristic_roots(lin, eta, nodes=40)[0]
         errs = {}
         for M in (2, 3, 4, 6, 8, 12, 16):
-            ev = _Spectrum(lin, M).roots(eta, refine=0)
+            ev = Spectrum(lin, M).roots(eta, refine=0)
             errs[M] = np.min(np.abs(ev - ref)) / abs(ref)
         assert errs[2] > errs[3] > errs[4] > errs[6] > errs[8]
         assert errs[2] > 1e-5 and errs[4] < 1e-4 and errs[8] < 1e-9
@@ -445,12 +447,7 @@ def test_full_support_network_is_not_densified():
     d = 1600 states, 781 distinct delays, so the dense delay matrices would take 16 GB).
     With all delays within 1e-8 of tau the nonzero modes obey the closed form of §2 with
     K = eta Lambda f' (M(s) = e^(-2 s tau) Lambda f' P), so eta* is known."""
-    from dlbfluid._stability import (
-        Linearisation,
-        _initial_guess,
-        _nyquist_eta,
-        _Steps,
-    )
+    from dlbfluid._stability import Linearisation, Steps, initial_guess, nyquist_eta
 
     n, tau, a, fp = 40, 0.5, 0.25, 4.0
     rng = np.random.default_rng(0)
@@ -471,7 +468,7 @@ def test_full_support_network_is_not_densified():
         degenerate_arcs=(),
     )
     assert lin.dim == 1600 and lin.delays.size > 700
-    eta, root = _nyquist_eta(lin, _initial_guess(lin), 1e-12, _Steps(False, "", 1))
+    eta, root = nyquist_eta(lin, initial_guess(lin), 1e-12, Steps(False, "", 1))
     ref = symmetric_critical_step_size(a, fp, float(lam.sum()), tau)
     assert eta == pytest.approx(ref, rel=1e-6)
     assert lin.n_neutral == n * (n - 1) - (n - 1)  # m - rank L, rank L = n - 1
@@ -481,13 +478,12 @@ def test_progress_and_step_size_ratio(capsys):
     """`progress=True` reports on stderr; `step_size_ratio` is eta/eta* (the plausibility
     check of `simulate`), also at 99.9% load, where eta* is tiny and rounding hides part of
     the characteristic loci."""
-    from dlbfluid._stability import step_size_ratio
-
     r = critical_step_size(_pair(0.5), "flow-grad", method="nyquist", progress=True)
     err = capsys.readouterr().err
     assert "stability (nyquist)" in err and "unstable roots" in err and "done" in err
     rec = step_size_ratio(_pair(0.5), "flow-grad", 10 * r.critical_step_size)
-    assert rec["ratio"] == pytest.approx(10.0, rel=1e-5) and rec["method"] == "nyquist"
+    # the method actually used: the closed form, as `critical_step_size` by default
+    assert rec["ratio"] == pytest.approx(10.0, rel=1e-5) and rec["method"] == "symmetric"
     assert step_size_ratio(_pair(0.0), "flow-grad", 1.0)["critical_step_size"] is None
     with pytest.raises(ValueError, match="policy = 'disc-grad'"):
         step_size_ratio(_pair(0.5), "disc-grad", 1.0)
@@ -505,4 +501,88 @@ def test_progress_and_step_size_ratio(capsys):
     rec = step_size_ratio(scn, "flow-grad", 0.05, equilibrium=eq)
     ps = critical_step_size(scn, "flow-grad", equilibrium=eq, method="pseudospectral")
     assert rec["critical_step_size"] == pytest.approx(ps.critical_step_size, rel=1e-6)
-    assert rec["ratio"] > 1e6
+    assert rec["ratio"] > 1e6 and rec["method"] == "pseudospectral"
+
+
+def test_step_size_ratio_reports_the_method_stability_uses():
+    """Issue 31 item 8: `simulate`'s step-size check (`step_size_ratio`) and `stability`
+    report one method for one scenario, the one actually used (`Auto`): before, the check
+    always ran the argument principle and said "nyquist" where `stability` said
+    "pseudospectral". Negative control: asked for "nyquist", the label follows."""
+    scn = dl.scenario_from_dict(THREE)
+    eq = dl.solve_equilibrium(scn, "gradient")
+    auto = critical_step_size(scn, "flow-grad", equilibrium=eq)
+    rec = step_size_ratio(scn, "flow-grad", 0.3, equilibrium=eq)
+    assert auto.method == rec["method"] == "pseudospectral"
+    assert rec["critical_step_size"] == pytest.approx(auto.critical_step_size, rel=1e-6)
+    ny = critical_step_size(scn, "flow-grad", equilibrium=eq, method="nyquist")
+    assert ny.method == "nyquist" != rec["method"]
+    assert ny.critical_step_size == pytest.approx(auto.critical_step_size, rel=1e-10)
+
+
+# ----------------------------------------------------------------------------------------
+# Methods as objects, one linearisation, one root count
+# ----------------------------------------------------------------------------------------
+
+
+def test_methods_are_objects_and_names_map_to_them(three_rif):
+    """`METHODS` is the registry behind `--method`; an object carries its own fields: a
+    pseudospectral method with 12 nodes is `nodes=12`, and `Auto` with a generator limit
+    of 0 rows hands THREE to the argument principle (same eta*, reported as "nyquist")."""
+    from dlbfluid._defaults import STABILITY_METHODS
+    from dlbfluid._stability import (
+        METHODS,
+        Auto,
+        Nyquist,
+        Pseudospectral,
+        Symmetric,
+        stability_method,
+    )
+
+    assert tuple(METHODS) == STABILITY_METHODS
+    assert stability_method("pseudospectral", 12) == Pseudospectral(nodes=12)
+    assert stability_method("nyquist") == Nyquist() and stability_method("auto") == Auto()
+    assert isinstance(stability_method("symmetric"), Symmetric)
+    with pytest.raises(ValueError, match="nodes = 1 is invalid"):
+        Pseudospectral(nodes=1)
+    pair = _pair(0.5)
+    by_name = critical_step_size(pair, "flow-grad", method="pseudospectral", nodes=12)
+    by_obj = critical_step_size(pair, "flow-grad", method=Pseudospectral(nodes=12))
+    assert by_obj.nodes == by_name.nodes == 12
+    assert by_obj.critical_step_size == by_name.critical_step_size
+    scn = dl.scenario_from_dict(THREE)
+    big = critical_step_size(
+        scn, "flow-rif", tau_scale=THREE_SCALE, method=Auto(pseudospectral_size=0)
+    )
+    assert three_rif.method == "pseudospectral" and big.method == "nyquist"
+    assert big.critical_step_size == pytest.approx(three_rif.critical_step_size, rel=1e-10)
+
+
+def test_host_and_batch_share_the_linearisation(three_rif):
+    """`loop_gain` (the batched feedback form) is `local_gain` vmapped, the function that
+    `linearise` calls: the same slopes, supports and weights for THREE under flow-rif."""
+    from dlbfluid._stability import loop_gain, scale_delays
+
+    lin = three_rif.linearisation
+    batch = dl.stack_scenarios([scale_delays(dl.scenario_from_dict(THREE), THREE_SCALE)])
+    eq = types.SimpleNamespace(N=lin.N[None], x=lin.x[None])  # the same equilibrium
+    g = jax.tree_util.tree_map(lambda a: np.asarray(a)[0], loop_gain(batch, "rif", eq))
+    np.testing.assert_allclose(g.rate_prime, lin.rate_prime, rtol=1e-12)
+    np.testing.assert_allclose(g.cost_prime, lin.cost_prime, rtol=1e-12)
+    assert [tuple(np.nonzero(r)[0]) for r in g.support if r.any()] == list(lin.supports)
+    np.testing.assert_allclose(g.weight, lin.arrival_rate * lin.step_weights, rtol=1e-12)
+    assert lin.supports == ((0, 1, 2),) * 3  # negative control: a real support, not empty
+
+
+def test_root_count_by_the_argument_principle():
+    """`roots_in_right_half_plane` on g(s) = (s - a)^2 + b^2 over (s + 1)^2 sampled on the
+    positive imaginary axis: two roots for a > 0, none for a < 0 (the control)."""
+    from dlbfluid._stability import roots_in_right_half_plane
+
+    w = np.geomspace(1e-4, 1e4, 4001)
+    for a, want in ((0.3, 2), (-0.3, 0)):
+        s = 1j * w
+        g = ((s - a) ** 2 + 4.0) / (s + 1.0) ** 2
+        inc = np.angle(g[1:] / g[:-1])
+        phase = np.angle(g)
+        assert roots_in_right_half_plane(phase[0], inc.sum(), phase[-1], 0) == want

@@ -71,6 +71,8 @@ def run(args) -> int:
         raise ValueError(f"--nodes = {args.nodes} is invalid: expected an integer >= 2")
     scn = load_scenario_arg(args.scenario, command="stability")
     show = not args.no_progress and (sys.stderr.isatty() or scn.n_cells > 20)
+    # --method is a name of `dlbfluid._stability.METHODS`; `critical_step_size` maps it to
+    # its method object (with --nodes), as it does for every caller that passes a name
     res = critical_step_size(
         scn,
         args.policy,

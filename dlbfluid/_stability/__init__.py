@@ -1,51 +1,103 @@
-"""Local stability of flow routing (theory/stability.md): the linearised delay equation,
-its critical step size by several methods, the batched critical step size, and herding."""
+"""Local stability of flow routing (theory/stability.md).
 
-from .batched import LADDER, STATUS, BatchStability, LoopGain, batch_critical_step_size, loop_gain
+One module per concept:
+
+* `linearisation`: the linear delay equation around an equilibrium (`linearise`,
+  `Linearisation`), its feedback form (`local_gain`, batched by `loop_gain`) and the cell
+  characteristic matrix (`CellLoop`), one home for the slopes that every method uses;
+* `symmetric`: the closed form for one origin and two identical cells (§2);
+* `pseudospectral`: Chebyshev collocation of the generator (§3.1-3.5);
+* `nyquist`: the argument principle on the cell characteristic matrix (§3.6), with the one
+  root count (`roots_in_right_half_plane`) that the batched search uses too;
+* `search`: the result record, progress, initial guess and bracket shared by the searches;
+* `methods`: the methods as one family of objects (`AbstractStabilityMethod`: `Auto`,
+  `Symmetric`, `Pseudospectral`, `Nyquist`; `METHODS` maps the names to them);
+* `critical`: `critical_step_size` and `step_size_ratio`;
+* `batched`: `batch_critical_step_size`, a whole batch in one compiled call (§7);
+* `limit_cycle`: herding, the limit cycle of discrete routing from a simulation (§5);
+* `threads`: the host eigenvalue problems on one BLAS thread.
+"""
+
+from .batched import STATUS, BatchSearch, BatchStability, batch_critical_step_size
+from .critical import critical_step_size, step_size_ratio
+from .limit_cycle import HerdingResult, herding, oscillation
 from .linearisation import (
-    HerdingResult,
+    CellLoop,
     Linearisation,
-    StabilityResult,
+    LoopGain,
     _flow_policy,
-    _initial_guess,
-    _nyquist_eta,
-    _Spectrum,
-    _Steps,
-    characteristic_roots,
-    critical_step_size,
-    generator_matrix,
-    herding,
     linearise,
-    oscillation,
+    local_gain,
+    loop_gain,
     scale_delays,
+    tangent_basis,
+)
+from .methods import (
+    METHODS,
+    AbstractStabilityMethod,
+    Auto,
+    Nyquist,
+    Pseudospectral,
+    Symmetric,
+    stability_method,
+)
+from .nyquist import Loci, nyquist_eta, roots_in_right_half_plane
+from .pseudospectral import (
+    Spectrum,
+    characteristic_roots,
+    chebyshev_differentiation,
+    chebyshev_nodes,
+    generator_matrix,
     spectral_abscissa,
-    step_size_ratio,
+)
+from .search import StabilityResult, Steps, initial_guess
+from .symmetric import (
+    symmetric_critical_gain,
     symmetric_critical_step_size,
+    symmetric_crossing_margin,
+    symmetric_parameters,
 )
 
 __all__ = [
-    "LADDER",
+    "METHODS",
     "STATUS",
+    "AbstractStabilityMethod",
+    "Auto",
+    "BatchSearch",
     "BatchStability",
+    "CellLoop",
     "HerdingResult",
     "Linearisation",
+    "Loci",
     "LoopGain",
+    "Nyquist",
+    "Pseudospectral",
+    "Spectrum",
     "StabilityResult",
-    "_Spectrum",
-    "_Steps",
+    "Steps",
+    "Symmetric",
     "_flow_policy",
-    "_initial_guess",
-    "_nyquist_eta",
     "batch_critical_step_size",
     "characteristic_roots",
+    "chebyshev_differentiation",
+    "chebyshev_nodes",
     "critical_step_size",
     "generator_matrix",
     "herding",
+    "initial_guess",
     "linearise",
+    "local_gain",
     "loop_gain",
+    "nyquist_eta",
     "oscillation",
+    "roots_in_right_half_plane",
     "scale_delays",
     "spectral_abscissa",
+    "stability_method",
     "step_size_ratio",
+    "symmetric_critical_gain",
     "symmetric_critical_step_size",
+    "symmetric_crossing_margin",
+    "symmetric_parameters",
+    "tangent_basis",
 ]

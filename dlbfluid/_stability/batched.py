@@ -12,7 +12,9 @@ support, $E_i(s) = \\mathrm{diag}\\,e^{-s\\tau_{ij}}$ and $F = \\mathrm{diag}\\,
 Stability is decided by the argument principle on the imaginary axis applied to
 $g(\\omega) = \\det(I + \\eta D(i\\omega)^{-1}H(i\\omega)) = \\chi/\\det D$: the number of roots in
 the right half-plane is $Z = -\\varphi(\\infty)/\\pi$, $\\varphi$ the continuous phase of $g$
-started at $-r\\pi/2$ at $\\omega = 0^+$ ($r = \\operatorname{rank}H(0)$). The critical step
+started at $-r\\pi/2$ at $\\omega = 0^+$ ($r = \\operatorname{rank}H(0)$;
+`nyquist.roots_in_right_half_plane`, the count of the host method too). The feedback form
+itself is `LoopGain` from `linearisation.local_gain`, the function `linearise` uses. The critical step
 size is bracketed on a geometric ladder, bisected, then polished by Newton's method on
 $g(\\omega, \\eta) = 0$. Everything is dense `jnp` on small matrices (no eigenvalue problem
 but a symmetric $n\\times n$ `eigvalsh`), vmapped over the batch.
@@ -24,48 +26,42 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-from .._costs import cost_from_name
 from .._results import RESULTS, status_names, view
-from .linearisation import _flow_policy
+from .linearisation import LoopGain, _flow_policy, loop_gain
+from .nyquist import roots_in_right_half_plane
 
-# The ladder of step sizes relative to the symmetric-scaling guess, ratio 8 from 1/16 to
-# 2048 (eta*/guess was 0.6 to 600 on random networks), bisections inside the first
-# unstable rung (8 ** (1/2**6) = 1.033), Newton iterations, the finer grid of the last test.
-LADDER = tuple(8.0**k / 16.0 for k in range(6))
-BISECTIONS = 6
-NEWTON = 8
-DENSE = 4
-# Local refinement of the argument principle: levels, intervals per level, points each.
-REFINE = (3, 6, 6)
-STARTS = 6  # Newton starts next to the roots nearest the axis
-WINDOW = 1.1  # a polished crossing may lie this factor outside the bisection's bracket
 STATUS = view("success", "not_converged")
 """`success`: the crossing was polished by Newton's method (or $\\eta^*$ is 0 or `inf`);
 `not_converged`: no Newton start converged near the bracket, and $\\eta^*$ is the
 bisection's estimate (within 3.3%)."""
 
 
-class LoopGain(eqx.Module):
-    """The feedback form of the linearisation at an equilibrium, batched (leading axis `B`).
+class BatchSearch(eqx.Module):
+    """The search of `batch_critical_step_size` (theory/stability.md §7), with the values
+    measured on random networks (static: one compiled program per setting).
 
     **Fields:**
-    - `rate_prime`: `(B, n)` $\\mu_j'(N_j^*)$ (1 on padded cells).
-    - `cost_prime`: `(B, n)` $f_j'(N_j^*)$ (1 on padded cells).
-    - `weight`: `(B, n)` $c_i = \\lambda_iw_i$ for routing sources (support of two or more
-      cells), else 0.
-    - `support`: `(B, n, n)` arcs $(i, j)$ with $j \\in S_i$ of routing sources.
-    - `delay`: `(B, n, n)` $\\tau_{ij}$ on support arcs, 0 elsewhere.
-    - `step_weights`: `(B, n)` the relative steps $w_i$ (already inside `weight`).
+    - `ladder`: step sizes relative to the symmetric-scaling guess, ratio 8 from 1/16 to
+      2048 ($\\eta^*/$guess was 0.6 to 600 on random networks).
+    - `bisections`: bisections in $\\log\\eta$ inside the first unstable rung
+      ($8^{1/2^6} = 1.033$).
+    - `newton`: Newton iterations of the polish.
+    - `dense`: how many times finer the grid of the last test near the bracket is.
+    - `refine`: local refinement of the argument principle: levels, intervals per level,
+      points each.
+    - `starts`: Newton starts next to the roots nearest the axis.
+    - `window`: a polished crossing may lie this factor outside the bisection's bracket.
     """
 
-    rate_prime: Float[Array, "B n"]
-    cost_prime: Float[Array, "B n"]
-    weight: Float[Array, "B n"]
-    support: Bool[Array, "B n n"]
-    delay: Float[Array, "B n n"]
-    step_weights: Float[Array, "B n"]
+    ladder: tuple = tuple(8.0**k / 16.0 for k in range(6))
+    bisections: int = 6
+    newton: int = 8
+    dense: int = 4
+    refine: tuple = (3, 6, 6)
+    starts: int = 6
+    window: float = 1.1
 
 
 class BatchStability(eqx.Module):
@@ -89,45 +85,6 @@ class BatchStability(eqx.Module):
 
     def status_names(self) -> np.ndarray:
         return status_names(self.status)
-
-
-def loop_gain(
-    scenario, cost, equilibrium, *, step_weights=None, support_tol: float = 1e-9
-) -> LoopGain:
-    """`LoopGain` of a batch (`stack_scenarios`) at its equilibria (`N`, `x` of shape
-    `(B, n)`, `(B, n, n)`), exactly the quantities `linearise` uses: $\\mu'$ from
-    `ServiceModel.rate_prime`, $f'$ from `AbstractCost.derivative`, supports
-    $\\{j: x^*_{ij} > \\text{support\\_tol}\\}$ of sources with $\\lambda_i > 0$."""
-    cost = cost_from_name(cost)
-    scn = scenario.strip()
-    N = jnp.asarray(equilibrium.N)
-    x = jnp.asarray(equilibrium.x)
-    w = jnp.ones_like(N) if step_weights is None else jnp.asarray(step_weights, N.dtype)
-    w = jnp.broadcast_to(w, N.shape)
-    return _loop_gain(cost, scn, N, x, w, jnp.asarray(support_tol, N.dtype))
-
-
-@eqx.filter_jit
-def _loop_gain(cost, scn, N, x, w, tol):
-    def one(s, N, x, w):
-        mask = s.cell_mask
-        lam = jnp.where(mask, s.arrival_rate(0.0), 0.0)
-        mp = s.service.rate_prime(N)
-        fp = cost.derivative(s, N)
-        sup = s.allowed & (x > tol) & (lam[:, None] > 0) & mask[:, None] & mask[None, :]
-        routing = jnp.sum(sup, axis=1) >= 2
-        sup = sup & routing[:, None]
-        tau = jnp.where(sup, s.latency, 0.0)
-        return LoopGain(
-            rate_prime=jnp.where(mask, mp, 1.0),
-            cost_prime=jnp.where(mask, fp, 1.0),
-            weight=jnp.where(routing, lam * w, 0.0),
-            support=sup,
-            delay=tau,
-            step_weights=w,
-        )
-
-    return jax.vmap(one)(scn, N, x, w)
 
 
 def _scales(d: LoopGain):
@@ -209,10 +166,6 @@ def _det(M):
     return det
 
 
-def _wrap(a):
-    return jnp.angle(jnp.exp(1j * a))
-
-
 def _grid(d: LoopGain, eta, scales, n_log: int, n_lin: int):
     """The base frequencies of the argument principle at step size `eta`: `n_log`
     logarithmic on $[\\omega_{lo}, \\omega_{hi}]$ and `n_lin` linear on $(0, \\omega_{hi}]$.
@@ -233,7 +186,7 @@ def _grid(d: LoopGain, eta, scales, n_log: int, n_lin: int):
     return jnp.sort(jnp.concatenate([logs, lins]))
 
 
-def _count(d: LoopGain, eta, scales, n_log: int, n_lin: int):
+def _count(d: LoopGain, eta, scales, n_log: int, n_lin: int, search: BatchSearch):
     """Roots in the right half-plane at step size `eta` (module docstring), the sampled
     frequencies (sorted) and the centres of the intervals of largest |phase increment|
     (next to the roots nearest the axis).
@@ -241,11 +194,12 @@ def _count(d: LoopGain, eta, scales, n_log: int, n_lin: int):
     The phase increments between consecutive samples are principal values, exact while
     each true increment is below $\\pi$ in magnitude; a root at distance $\\epsilon$ from the
     axis turns the phase by nearly $\\pi$ over an interval of width $\\sim\\epsilon$. So the
-    `REFINE[1]` intervals of largest |increment| are split into `REFINE[2]` + 1 geometric
-    sub-intervals, `REFINE[0]` times over."""
+    `search.refine[1]` intervals of largest |increment| are split into `search.refine[2]`
+    + 1 geometric sub-intervals, `search.refine[0]` times over. The count itself is
+    `roots_in_right_half_plane`, the one the host method uses."""
     omega = _grid(d, eta, scales, n_log, n_lin)
     g = _g(d, omega, eta)
-    levels, m, q = REFINE
+    levels, m, q = search.refine
     W = omega.shape[0] - 1
     pad = levels * m * (q + 1)
     a = jnp.concatenate([omega[:-1], jnp.ones(pad)])
@@ -278,13 +232,13 @@ def _count(d: LoopGain, eta, scales, n_log: int, n_lin: int):
         )
 
     a, b, ga, gb, inc = jax.lax.fori_loop(0, levels, refine, (a, b, ga, gb, inc))
-    start = -0.5 * jnp.pi * scales[0]
-    phi_inf = start + _wrap(jnp.angle(g[0]) - start) + jnp.sum(inc) - jnp.angle(g[-1])
-    Z = jnp.round(-phi_inf / jnp.pi).astype(jnp.int32)
+    Z = roots_in_right_half_plane(
+        jnp.angle(g[0]), jnp.sum(inc), jnp.angle(g[-1]), scales[0], xp=jnp
+    ).astype(jnp.int32)
     # (padding entries are 1, inside the base grid's range; a duplicate frequency does no
     # harm to a phase profile)
     points = jnp.sort(jnp.concatenate([a, b[-1:]]))
-    _, top = jax.lax.top_k(jnp.abs(inc), STARTS)
+    _, top = jax.lax.top_k(jnp.abs(inc), search.starts)
     return Z, points, jnp.sqrt(a[top] * b[top])
 
 
@@ -327,47 +281,49 @@ def _newton(d: LoopGain, omega0, eta0, iters: int):
     return jnp.exp(v[0]), jnp.exp(v[1]), res[-1]
 
 
-def _one(d: LoopGain, n_log: int, n_lin: int):
+def _one(d: LoopGain, n_log: int, n_lin: int, search: BatchSearch):
     """`batch_critical_step_size` of one scenario (vmapped by `_critical`)."""
     scales = _scales(d)
     routing = jnp.sum(d.weight > 0)
     tmax = jnp.max(d.delay)
     gain = jnp.max(jnp.where(d.support, d.weight[:, None] * d.cost_prime[None, :], 0.0))
     guess = 0.03 / (jnp.maximum(tmax, 1e-3) * jnp.maximum(gain, 1e-12))
-    ladder = guess * jnp.asarray(LADDER)
-    L = len(LADDER)
+    ladder = guess * jnp.asarray(search.ladder)
+    L = len(search.ladder)
+    B = search.bisections
 
     # One loop, so the stability test is compiled once: steps 0..L-1 climb the ladder
-    # (remembering the first unstable rung), the next BISECTIONS halve that rung's bracket
+    # (remembering the first unstable rung), the next `bisections` halve that rung's bracket
     # in log(eta), and the last tests the bracket's unstable end again for Newton's starts.
     def body(carry, k):
         first, lo, hi, _ = carry
         climbing = k < L
         eta = jnp.where(climbing, ladder[jnp.minimum(k, L - 1)], jnp.sqrt(lo * hi))
-        eta = jnp.where(k == L + BISECTIONS, hi, eta)
-        Z, _, near = _count(d, eta, scales, n_log, n_lin)
+        eta = jnp.where(k == L + B, hi, eta)
+        Z, _, near = _count(d, eta, scales, n_log, n_lin, search)
         bad = Z != 0
         found = climbing & bad & (first < 0)
         first = jnp.where(found, k, first)
-        bis = ~climbing & (k < L + BISECTIONS)
+        bis = ~climbing & (k < L + B)
         lo = jnp.where(found, ladder[jnp.maximum(k - 1, 0)], jnp.where(bis & ~bad, eta, lo))
         hi = jnp.where(found, eta, jnp.where(bis & bad, eta, hi))
         return (first, lo, hi, near), None
 
-    init = (jnp.asarray(-1), guess, guess, jnp.ones(STARTS))
-    steps = jnp.arange(L + BISECTIONS + 1)
+    init = (jnp.asarray(-1), guess, guess, jnp.ones(search.starts))
+    steps = jnp.arange(L + B + 1)
     (first, lo, hi, near), _ = jax.lax.scan(body, init, steps)
     mid = jnp.sqrt(lo * hi)
-    # A test on a grid DENSE times finer near the bracket: two roots near the axis within
+    # A test on a grid `dense` times finer near the bracket: two roots near the axis within
     # one base interval turn the phase by about 2 pi there, which the base test cannot see.
-    _, _, near_mid = _count(d, mid, scales, DENSE * n_log, DENSE * n_lin)
+    fine = search.dense
+    _, _, near_mid = _count(d, mid, scales, fine * n_log, fine * n_lin, search)
     starts = jnp.concatenate([_lagged(d, scales, lo, hi, n_log, n_lin), near, near_mid])
-    ws, etas, res = jax.vmap(lambda w: _newton(d, w, mid, NEWTON))(starts)
+    ws, etas, res = jax.vmap(lambda w: _newton(d, w, mid, search.newton))(starts)
     # Next to a crossing the test can misjudge (a root within the frequency resolution of
     # the axis), so any converged crossing near the bracket is accepted, and of several
     # (two pairs crossing close together) the first.
     good = jnp.isfinite(etas) & (res <= 1e-8) & (ws > 0)
-    good = good & (etas >= lo / WINDOW) & (etas <= hi * WINDOW)
+    good = good & (etas >= lo / search.window) & (etas <= hi * search.window)
     pick = jnp.argmin(jnp.where(good, etas, jnp.inf))
     ok = jnp.any(good)
     eta_star = jnp.where(ok, etas[pick], mid)
@@ -382,8 +338,8 @@ def _one(d: LoopGain, n_log: int, n_lin: int):
 
 
 @eqx.filter_jit
-def _critical(d: LoopGain, n_log: int, n_lin: int) -> BatchStability:
-    return jax.vmap(lambda dd: _one(dd, n_log, n_lin))(d)
+def _critical(d: LoopGain, n_log: int, n_lin: int, search: BatchSearch) -> BatchStability:
+    return jax.vmap(lambda dd: _one(dd, n_log, n_lin, search))(d)
 
 
 def batch_critical_step_size(
@@ -395,6 +351,7 @@ def batch_critical_step_size(
     n_log: int | None = None,
     n_lin: int | None = None,
     support_tol: float = 1e-9,
+    search: BatchSearch = BatchSearch(),
 ) -> BatchStability:
     """Critical step sizes $\\eta^*$ of a batch of scenarios in one compiled call.
 
@@ -404,8 +361,8 @@ def batch_critical_step_size(
     test at a given $\\eta$ counts the roots in the right half-plane by the argument
     principle on `n_log` logarithmically and `n_lin` linearly spaced frequencies, refined
     next to the roots nearest the axis; the ladder $\\eta_0 8^k/16$, $k = 0..5$
-    (`LADDER`, $\\eta_0$ the symmetric scaling of §3.5) brackets the first unstable rung,
-    `BISECTIONS` bisections narrow it to 3.3%, and Newton's method on
+    (`BatchSearch.ladder`, $\\eta_0$ the symmetric scaling of §3.5) brackets the first
+    unstable rung, `BatchSearch.bisections` bisections narrow it to 3.3%, and Newton's method on
     $\\chi(i\\omega;\\eta) = 0$ polishes it to the exact crossing.
 
     **Arguments:**
@@ -416,6 +373,7 @@ def batch_critical_step_size(
     - `n_log`, `n_lin`: frequency samples of the argument principle (default $16n$ and $8n$
       for $n$ cells: more cells, more roots to resolve).
     - `support_tol`: equilibrium flows at or below this count as off the support.
+    - `search`: the ladder, bisections, Newton iterations and refinement (`BatchSearch`).
 
     **Returns:** a `BatchStability`.
     """
@@ -428,19 +386,19 @@ def batch_critical_step_size(
     n = scenario.n_cells
     n_log = 16 * n if n_log is None else n_log
     n_lin = 8 * n if n_lin is None else n_lin
+    if not isinstance(search, BatchSearch):
+        raise ValueError(f"search = {search!r} is invalid: expected a BatchSearch")
     for name, v in (("n_log", n_log), ("n_lin", n_lin)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 8:
             raise ValueError(f"{name} = {v!r} is invalid: expected an integer >= 8")
     d = loop_gain(scenario, pol.cost, equilibrium, step_weights=step_weights,
                   support_tol=support_tol)  # fmt: skip
-    return _critical(d, n_log, n_lin)
+    return _critical(d, n_log, n_lin, search)
 
 
 __all__ = [
-    "LADDER",
     "STATUS",
+    "BatchSearch",
     "BatchStability",
-    "LoopGain",
     "batch_critical_step_size",
-    "loop_gain",
 ]
