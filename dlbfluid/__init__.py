@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from ._equilibrium import price_of_anarchy as price_of_anarchy
     from ._equilibrium import rif_latency_range as rif_latency_range
     from ._equilibrium import solve_equilibrium as solve_equilibrium
+    from ._global_threshold import WorstCaseSearch as WorstCaseSearch
+    from ._global_threshold import global_threshold as global_threshold
     from ._equilibrium_grad import equilibrium_sensitivities as equilibrium_sensitivities
     from ._errors import OverloadError as OverloadError
     from ._errors import ScenarioError as ScenarioError
@@ -119,6 +121,9 @@ if TYPE_CHECKING:
     from ._theorem1 import projection_check as projection_check
     from ._theorem1 import theorem1_check as theorem1_check
     from ._theorem1 import theorem1_constants as theorem1_constants
+    from ._theorem1 import Theorem1Schedule as Theorem1Schedule
+    from ._theorem1 import Theorem1ScheduleResult as Theorem1ScheduleResult
+    from ._theorem1 import theorem1_schedule as theorem1_schedule
     from ._verify import random_network as random_network
     from ._verify import verify as verify
 

@@ -103,6 +103,26 @@ def _delayed(arr, h, tau, idx, *, piecewise_constant: bool):
     return (1.0 - w) * arr[lo, col] + w * arr[hi, col]
 
 
+def _tick_pairs(dx, tau, h):
+    """The delayed routings in force during each tick, in the tick model's pairing.
+
+    With $\\tau_{ij} = m_{ij}h + r_{ij}$ ($0 \\le r < h$), tick $k$ ($k = 0..K-1$) carries
+    $x^{k-m-1}$ on $[t_k, t_k + r)$ and $x^{k-m}$ on $[t_k + r, t_{k+1})$, $x^0$ before 0
+    (theory/discretisation.md). Returns `(prev, cur, r)`: `(K, n, n)` entries of the
+    per-tick saves `dx` (`(K+1, n, n)`) and the `(1, n, n)` remainders. The projection check
+    and Theorem 1's `mixed_delay` estimate both integrate against this pairing.
+    """
+    K = dx.shape[0] - 1
+    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)[None]
+    r = jnp.maximum(tau - m[0] * h, 0.0)[None]
+    k = jnp.arange(K)[:, None, None]
+    rows = jnp.arange(tau.shape[0])[None, :, None]
+    cols = jnp.arange(tau.shape[1])[None, None, :]
+    prev = dx[jnp.maximum(k - m - 1, 0), rows, cols]
+    cur = dx[jnp.maximum(k - m, 0), rows, cols]
+    return prev, cur, r
+
+
 def _cumtrapz(y, t):
     inc = 0.5 * (y[1:] + y[:-1]) * jnp.diff(t)
     return jnp.concatenate([jnp.zeros(1, y.dtype), jnp.cumsum(inc)])

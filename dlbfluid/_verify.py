@@ -717,7 +717,7 @@ def _chunk_records(
                 "g1_growth_exponent": th.get("g1_growth_exponent"),
                 "g1_by_tau_scale": th.get("g1_by_tau_scale"),
                 "empirical_eta0": th.get("empirical_eta0"),
-                "empirical_eta0_over_eta_star": th.get("eta0_over_eta_star"),
+                "empirical_eta0_over_eta_star": th.get("empirical_eta0_over_eta_star"),
             }
             if steps is not None:
                 one["step_sizes"] = [float(v) for v in steps[b, :nb]]

@@ -142,7 +142,7 @@ def register(sub) -> None:
         "--step-fraction",
         type=positive_float("step-fraction"),
         default=0.3,
-        help="step size as a fraction of the critical eta* (default 0.3)",
+        help="step size as a fraction of --step-base (eta* or eta0; default 0.3)",
     )
     p.add_argument(
         "--conv-tol",

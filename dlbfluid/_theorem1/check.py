@@ -31,10 +31,11 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from .._costs import cost_from_name
-from .._lyapunov import _check_per_tick, _cumtrapz, _delayed, workload_potential
+from .._lyapunov import _check_per_tick, _cumtrapz, _delayed, _tick_pairs, workload_potential
 from .constants import (
     StartTerms,
     Theorem1Constants,
+    _Data,
     _data,
     batch_start_terms,
     batch_theorem1_constants,
@@ -84,105 +85,196 @@ class Theorem1Check(eqx.Module):
     estimate_holds: Bool[Array, "B E"]
 
 
+class _Run(eqx.Module):
+    """One trajectory's per-tick quantities that the estimates read (each law evaluated
+    once per workload: the gaps, tails and bounded parts are arithmetic on those values).
+
+    `now` arrays are `(K+1, n)` at $N_j(t_k)$; `del` arrays `(K+1, n, n)` at
+    $N_j(t_k - \\tau_{ij})$ on the arcs; `dx`, `dx_del` the current and delayed routings'
+    offsets from $x^*$; `c_seen` the observed costs; `int_D`, `int_S` the running integrals
+    of $\\sum_jD_j$ and $\\sum_i\\lambda_iS_i$."""
+
+    d: _Data
+    t: Array
+    h: Array
+    c_star: Array
+    dx: Array
+    dx_del: Array
+    f_now: Array
+    f_del: Array
+    D_now: Array
+    D_del: Array
+    e_now: Array
+    e_del: Array
+    c_seen: Array
+    int_D: Array
+    int_S: Array
+
+
+class _Gaps(eqx.Module):
+    d: _Data
+    c_star: Array
+    dx: Array
+    f_now: Array
+    D_now: Array
+    int_D: Array
+    int_S: Array
+
+
+def _gaps(cost, scn, N_star, x_star, t, N, x) -> _Gaps:
+    """The bound's integrand along one run: $D_j(N(t_k))$, $S_i$ and their running
+    integrals (trapezoid for $D$, the routing's left-point rule for $S$)."""
+    d = _data(cost, scn, N_star)
+    f_star = cost.destination(scn, N_star)
+    c_star = jnp.where(d.arc, f_star[None, :] + d.g, 0.0)
+    dx = jnp.where(d.arc[None], x - x_star[None], 0.0)  # (K+1, n, n)
+    f_now = cost.destination(scn, N)
+    D_now = (f_now - f_star[None]) * (scn.service.rate(N) - scn.service.rate(N_star)[None])
+    D_now = jnp.where(d.real[None], D_now, 0.0)
+    S = jnp.sum(d.lam[None] * jnp.sum(dx * c_star[None], axis=-1), axis=-1)  # (K+1,)
+    int_S = jnp.concatenate([jnp.zeros(1, t.dtype), jnp.cumsum(S[:-1] * jnp.diff(t))])
+    int_D = _cumtrapz(jnp.sum(D_now, axis=-1), t)
+    return _Gaps(d, c_star, dx, f_now, D_now, int_D, int_S)
+
+
+def _average(gaps: _Gaps | _Run, t):
+    """$\\frac1t\\int_0^t[\\sum_jD_j + 2\\sum_i\\lambda_iS_i]$ at every saved horizon (0 at
+    $t = 0$)."""
+    return jnp.where(t > 0, (gaps.int_D + 2.0 * gaps.int_S) / jnp.where(t > 0, t, 1.0), 0.0)
+
+
+@eqx.filter_jit
+def batch_time_average(cost, scn, N_star, x_star, t, N, x):
+    """The bound's left-hand side at every saved horizon of a batch of runs saved at every
+    tick (`(B, K+1)`; the arguments as `batch_theorem1_check`'s), one run at a time."""
+    cost = cost_from_name(cost)
+    return jax.lax.map(lambda a: _average(_gaps(cost, *a), a[3]), (scn, N_star, x_star, t, N, x))
+
+
+def _run(cost, consts: Theorem1Constants, scn, N_star, x_star, h, t, N, x) -> _Run:
+    gp = _gaps(cost, scn, N_star, x_star, t, N, x)
+    d = gp.d
+    arc = d.arc[None]
+    idx = jnp.arange(t.shape[0])
+    N_del = _delayed(N, h, d.tau, idx, piecewise_constant=False)  # N_j(t_k - tau_ij)
+    x_del = _delayed(x, h, d.tau, idx, piecewise_constant=True)
+    f_del = cost.destination(scn, N_del)
+    f_star = cost.destination(scn, N_star)
+    mu_star = scn.service.rate(N_star)
+    D_del = (f_del - f_star[None, None]) * (scn.service.rate(N_del) - mu_star[None, None])
+    return _Run(
+        d=d,
+        t=t,
+        h=jnp.asarray(h, t.dtype),
+        c_star=gp.c_star,
+        dx=gp.dx,
+        dx_del=jnp.where(arc, x_del - x_star[None], 0.0),
+        f_now=gp.f_now,
+        f_del=f_del,
+        D_now=gp.D_now,
+        D_del=jnp.where(arc, D_del, 0.0),
+        e_now=consts.tail_of(gp.f_now),
+        e_del=jnp.where(arc, consts.tail_of(f_del), 0.0),
+        c_seen=jnp.where(arc, f_del + d.g[None], 0.0),
+        int_D=gp.int_D,
+        int_S=gp.int_S,
+    )
+
+
+def _ratio(num, room):
+    """num / room, 0 where num is 0 and inf where only room is 0 (an estimate that allows
+    nothing and sees something fails)."""
+    out = jnp.where(num > 0, num / jnp.where(room > 0, room, 1.0), 0.0)
+    return jnp.where((num > 0) & (room <= 0), jnp.inf, out)
+
+
+def _sources(run: _Run):
+    return jnp.any(run.d.arc, axis=1)[None]
+
+
+def _routing_speed(run: _Run, x, eta):
+    """Lemma 10: each tick's move against twice its step times its largest observed cost."""
+    c_norm = jnp.max(jnp.abs(run.c_seen), axis=-1)  # (K+1, n)
+    jump = jnp.max(jnp.abs(x[1:] - x[:-1]), axis=-1)  # (K, n): x^k - x^{k-1}, k = 1..K
+    allow = 2.0 * eta[None] * run.h * c_norm[1:]
+    return jnp.max(jnp.where(_sources(run), _ratio(jump, allow), 0.0))
+
+
+def _workload_lipschitz(run: _Run, N):
+    """The workloads' largest rate of change against $v$."""
+    rate = jnp.abs(N[1:] - N[:-1]) / run.h
+    return jnp.max(jnp.where(run.d.real[None], rate, 0.0))
+
+
+def _mixed_delay(run: _Run):
+    """C.3.1: the delayed routings' slackness against the current one, exactly."""
+    prev, cur, r = _tick_pairs(run.dx, run.d.tau, run.h)
+    lam3 = run.d.lam[None, :, None]
+    delay_gap = jnp.sum(lam3 * run.c_star[None] * (prev * r + cur * (run.h - r)))
+    return run.int_S[-1] - delay_gap
+
+
+def _cost_envelope(run: _Run, consts: Theorem1Constants):
+    """Lemma 6: the observed costs against their envelope."""
+    dmu = run.d.dmu[None, None, :]
+    arc = run.d.arc[None]
+    env = consts.F_bar[None] + jnp.sum(jnp.where(arc, 2.0 / dmu * run.D_del, 0.0), axis=-1)
+    c_norm = jnp.max(jnp.abs(run.c_seen), axis=-1)
+    envelope = jnp.where(_sources(run), c_norm / jnp.where(env > 0, env, 1.0), 0.0)
+    return jnp.max(envelope[1:])
+
+
+def _tail_increment(run: _Run):
+    """Lemma 7: the tail's change across a delay against the gaps at both ends."""
+    de = jnp.where(run.d.arc[None], jnp.abs(run.e_now[:, None, :] - run.e_del), 0.0)
+    Lam = run.d.Lam[None, None, :]
+    room = (run.D_now[:, None, :] + run.D_del) / (8.0 * jnp.where(Lam > 0, Lam, 1.0))
+    return jnp.max(_ratio(de, room))
+
+
+def _bounded_part(run: _Run, consts: Theorem1Constants, terms: StartTerms):
+    """Lemma 8 with Lemma 6: the bounded part's mismatch (left-point rule on ticks) and its
+    bound."""
+    d, arc = run.d, run.d.arc[None]
+    b_now = jnp.where(arc, consts.bounded_of(run.f_now)[:, None, :] + d.g[None], 0.0)
+    b_del = jnp.where(arc, consts.bounded_of(run.f_del) + d.g[None], 0.0)
+    gam_b = jnp.sum(d.lam[None, :, None] * (run.dx_del * b_now - run.dx * b_del), axis=(-2, -1))
+    measured = jnp.sum(gam_b[:-1] * jnp.diff(run.t))
+    int_Dk = jnp.sum(0.5 * (run.D_now[1:] + run.D_now[:-1]) * jnp.diff(run.t)[:, None], axis=0)
+    int_Dk = int_Dk + consts.tau_bar * run.D_now[0]  # int_{-tau}^T D_k
+    per_router = run.t[-1] * consts.F_bar + jnp.sum(
+        jnp.where(d.arc, (2.0 / d.dmu * int_Dk)[None, :], 0.0), axis=1
+    )
+    bound = 4.0 * terms.eta_bar * jnp.sum(d.lam[:, None] * consts.W * per_router[:, None])
+    return measured, bound + consts.Kb
+
+
+def _tail(run: _Run, consts: Theorem1Constants, terms: StartTerms, Phi_T):
+    """Lemma 9: the tail's mismatch and its bound."""
+    e_now3 = jnp.where(run.d.arc[None], run.e_now[:, None, :], 0.0)
+    lam3 = run.d.lam[None, :, None]
+    gam_e = jnp.sum(lam3 * (run.dx_del * e_now3 - run.dx * run.e_del), axis=(-2, -1))
+    measured = jnp.sum(gam_e[:-1] * jnp.diff(run.t))
+    return measured, 0.25 * run.int_D[-1] + terms.KH + Phi_T + consts.K4
+
+
 def _check_impl(cost, consts: Theorem1Constants, terms: StartTerms, scn, N_star, x_star, eta,
                 h, t, N, x):  # fmt: skip
     cost = cost_from_name(cost)
-    d = _data(cost, scn, N_star)
-    K = t.shape[0] - 1
-    T = t[-1]
-    lam3 = d.lam[None, :, None]
-    arc = d.arc[None]
-    f_star = cost.destination(scn, N_star)
-    c_star = jnp.where(d.arc, f_star[None, :] + d.g, 0.0)
-    dx = jnp.where(arc, x - x_star[None], 0.0)  # (K+1, n, n)
-    idx = jnp.arange(K + 1)
-    N_del = _delayed(N, h, d.tau, idx, piecewise_constant=False)  # N_j(t_k - tau_ij)
-    x_del = _delayed(x, h, d.tau, idx, piecewise_constant=True)
-    dx_del = jnp.where(arc, x_del - x_star[None], 0.0)
-    # Each law is evaluated once per workload (cost and rate); the gaps, tails and bounded
-    # parts are arithmetic on those values.
-    mu_star = scn.service.rate(N_star)
-    f_now = cost.destination(scn, N)  # (K+1, n)
-    f_del = cost.destination(scn, N_del)  # (K+1, n, n)
-    D_now = (f_now - f_star[None]) * (scn.service.rate(N) - mu_star[None])
-    D_now = jnp.where(d.real[None], D_now, 0.0)
-    D_del = (f_del - f_star[None, None]) * (scn.service.rate(N_del) - mu_star[None, None])
-    D_del = jnp.where(arc, D_del, 0.0)
-    B_ok = jnp.isfinite(consts.B)
-    e_now = jnp.where(B_ok[None], jnp.maximum(f_now - consts.B[None], 0.0), 0.0)
-    e_del = jnp.where(arc & B_ok[None, None], jnp.maximum(f_del - consts.B[None, None], 0.0), 0.0)
-    src = jnp.any(d.arc, axis=1)[None]
-
+    run = _run(cost, consts, scn, N_star, x_star, h, t, N, x)
     # The bound at every saved horizon.
-    gap = jnp.sum(D_now, axis=-1)
-    S = jnp.sum(d.lam[None] * jnp.sum(dx * c_star[None], axis=-1), axis=-1)  # (K+1,)
-    int_D = _cumtrapz(gap, t)
-    int_S = jnp.concatenate([jnp.zeros(1, t.dtype), jnp.cumsum(S[:-1] * jnp.diff(t))])
     tk = jnp.where(t > 0, t, 1.0)
-    measured = (int_D + 2.0 * int_S) / tk
+    measured = _average(run, t)
     bound = terms.A / (tk * terms.eta_min) + consts.G1 * terms.eta_bar + terms.C / tk
     ratio = jnp.where(t > 0, measured / bound, 0.0)
 
-    # Lemma 10: each tick's move against twice its step times its largest observed cost.
-    c_seen = jnp.where(arc, f_del + d.g[None], 0.0)
-    c_norm = jnp.max(jnp.abs(c_seen), axis=-1)  # (K+1, n)
-    jump = jnp.max(jnp.abs(x[1:] - x[:-1]), axis=-1)  # (K, n): x^k - x^{k-1}, k = 1..K
-    allow = 2.0 * eta[None] * h * c_norm[1:]
-    speed = jnp.where(src & (jump > 0), jump / jnp.where(allow > 0, allow, 1.0), 0.0)
-    speed = jnp.where(src & (jump > 0) & (allow <= 0), jnp.inf, speed)
-
-    # The workloads' Lipschitz constant.
-    rate = jnp.abs(N[1:] - N[:-1]) / h
-    lips = jnp.max(jnp.where(d.real[None], rate, 0.0))
-
-    # C.3.1: the delayed routings' slackness against the current one, exactly (the delayed
-    # routing is x^{k-m-1} on [t_k, t_k + r) and x^{k-m} after, tau = m h + r).
-    m = jnp.floor(d.tau / h + 1e-9).astype(jnp.int32)[None]
-    r = jnp.maximum(d.tau - m[0] * h, 0.0)[None]
-    kk = jnp.arange(K)[:, None, None]
-    rows = jnp.arange(d.tau.shape[0])[None, :, None]
-    cols = jnp.arange(d.tau.shape[1])[None, None, :]
-    prev = dx[jnp.maximum(kk - m - 1, 0), rows, cols]
-    cur = dx[jnp.maximum(kk - m, 0), rows, cols]
-    delay_gap = jnp.sum(lam3 * c_star[None] * (prev * r + cur * (h - r)))
-    mixed = int_S[-1] - delay_gap
-
-    # Lemma 6: the observed costs against their envelope.
-    dmu = d.dmu[None, None, :]
-    env = consts.F_bar[None] + jnp.sum(jnp.where(arc, 2.0 / dmu * D_del, 0.0), axis=-1)
-    envelope = jnp.where(src[:, :], c_norm / jnp.where(env > 0, env, 1.0), 0.0)[1:]
-
-    # Lemma 7: the tail's change across a delay against the gaps at both ends.
-    de = jnp.where(arc, jnp.abs(e_now[:, None, :] - e_del), 0.0)
-    Lam = d.Lam[None, None, :]
-    room = (D_now[:, None, :] + D_del) / (8.0 * jnp.where(Lam > 0, Lam, 1.0))
-    incr = jnp.where(de > 0, de / jnp.where(room > 0, room, 1.0), 0.0)
-    incr = jnp.where((de > 0) & (room <= 0), jnp.inf, incr)
-
-    # Lemma 8: the bounded part's mismatch (left-point rule on ticks).
-    b_now = jnp.where(arc, jnp.minimum(f_now, consts.B[None])[:, None, :] + d.g[None], 0.0)
-    b_del = jnp.where(arc, jnp.minimum(f_del, consts.B[None, None, :]) + d.g[None], 0.0)
-    gam_b = jnp.sum(lam3 * (dx_del * b_now - dx * b_del), axis=(-2, -1))
-    int_gam_b = jnp.sum(gam_b[:-1] * jnp.diff(t))
-    int_Dk = jnp.sum(0.5 * (D_now[1:] + D_now[:-1]) * jnp.diff(t)[:, None], axis=0)
-    int_Dk = int_Dk + consts.tau_bar * D_now[0]  # int_{-tau}^T D_k
-    per_router = T * consts.F_bar + jnp.sum(
-        jnp.where(d.arc, (2.0 / d.dmu * int_Dk)[None, :], 0.0), axis=1
-    )
-    b_bound = 4.0 * terms.eta_bar * jnp.sum(d.lam[:, None] * consts.W * per_router[:, None])
-    b_bound = b_bound + consts.Kb
-
-    # Lemma 9: the tail's mismatch.
-    e_now3 = jnp.where(arc, e_now[:, None, :], 0.0)
-    gam_e = jnp.sum(lam3 * (dx_del * e_now3 - dx * e_del), axis=(-2, -1))
-    int_gam_e = jnp.sum(gam_e[:-1] * jnp.diff(t))
-    Phi_T = workload_potential(cost, scn, N[-1], N_star)
-    e_bound = 0.25 * int_D[-1] + terms.KH + Phi_T + consts.K4
-
-    vals = jnp.stack([jnp.max(speed), lips, mixed, jnp.max(envelope), jnp.max(incr),
-                      int_gam_b, int_gam_e])  # fmt: skip
-    lims = jnp.stack([jnp.ones_like(lips), consts.v, consts.K1, jnp.ones_like(lips),
-                      jnp.ones_like(lips), b_bound, e_bound])  # fmt: skip
+    b_meas, b_bound = _bounded_part(run, consts, terms)
+    e_meas, e_bound = _tail(run, consts, terms, workload_potential(cost, scn, N[-1], N_star))
+    one = jnp.ones_like(measured[-1])
+    vals = jnp.stack([_routing_speed(run, x, eta), _workload_lipschitz(run, N),
+                      _mixed_delay(run), _cost_envelope(run, consts), _tail_increment(run),
+                      b_meas, e_meas])  # fmt: skip
+    lims = jnp.stack([one, consts.v, consts.K1, one, one, b_bound, e_bound])
     rtol = jnp.asarray([ESTIMATE_RTOL[k] for k in ESTIMATES], t.dtype)
     holds = vals <= lims + rtol * jnp.abs(lims) + 1e-12
     return Theorem1Check(

@@ -89,15 +89,15 @@ class Theorem1Constants(eqx.Module):
     K4: Float[Array, "*B"]
     ok: Bool[Array, "*B"]
 
-    def tail(self, cost, scn, N):
-        """$e_j(N) = (f_j(N) - B_j)^+$ (unbatched constants; `N` with the cell axis last)."""
-        f = cost_from_name(cost).destination(scn, N)
+    def tail_of(self, f):
+        """$e_j = (f_j - B_j)^+$ from cost values `f` (cell axis last; unbatched
+        constants). The Theorem-1 check and the start terms both read the tail here."""
         B = like(self.B, f)
         return jnp.where(jnp.isfinite(B), jnp.maximum(f - B, 0.0), 0.0)
 
-    def bounded(self, cost, scn, N):
-        """$b_j(N) = \\min(f_j(N), B_j)$ (unbatched constants)."""
-        f = cost_from_name(cost).destination(scn, N)
+    def bounded_of(self, f):
+        """$b_j = \\min(f_j, B_j)$ from cost values `f` (cell axis last; unbatched
+        constants), so that $f_j = b_j + e_j$."""
         return jnp.minimum(f, like(self.B, f))
 
 
@@ -309,7 +309,7 @@ def _start_impl(cost, consts: Theorem1Constants, scn, N_star, x_star, N0, x0, et
     A = jnp.sum(d.lam * jnp.sum(dx**2, axis=1))
     Phi0 = jnp.sum(workload_potential_per_cell(cost, scn, N0, N_star))
     hist = d.tau_bar * jnp.sum(workload_gap(cost, scn, N0, N_star))
-    tail = consts.tail(cost, scn, N0 + d.v * d.tau_bar)
+    tail = consts.tail_of(cost.destination(scn, N0 + d.v * d.tau_bar))
     KH = 0.375 * hist + 2.0 * d.tau_bar * jnp.sum(jnp.where(d.real, d.Lam * tail, 0.0))
     C = 2.0 * (Phi0 + consts.K1 + consts.Kb + KH + consts.K4 + 0.25 * hist)
     eta_min = jnp.min(jnp.where(src, eta, jnp.inf))

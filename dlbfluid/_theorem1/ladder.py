@@ -291,7 +291,7 @@ def theorem1_ladder(
     **Returns:** one dict per real scenario: `bound` (`fit_bound`, plus `delay_share`, the
     largest $B\\eta$/bound over its points), `schedule_slope`, `schedule_delay_share` (the
     smallest $B\\eta$/bound along the schedule), `schedule_c`, `g1_growth_exponent`,
-    `g1_by_tau_scale` (`{scale: B}`), `empirical_eta0`, `eta0_over_eta_star`; with
+    `g1_by_tau_scale` (`{scale: B}`), `empirical_eta0`, `empirical_eta0_over_eta_star`; with
     `keep_points`, also `points`: every run's `kind`, `tau_scale`, `eta` and its `distance`
     at the horizons `T`.
     """
@@ -333,7 +333,7 @@ def theorem1_ladder(
             "g1_growth_exponent": None,
             "g1_by_tau_scale": {},
             "empirical_eta0": None,
-            "eta0_over_eta_star": None,
+            "empirical_eta0_over_eta_star": None,
         }
         results.append(rec)
         if not math.isfinite(e1):
@@ -342,7 +342,7 @@ def theorem1_ladder(
         e0 = [k for k in mine if kinds[k] == "eta0"]
         eta0 = empirical_eta0([table[k][2] for k in e0], window_ratio(Hs, tad[e0]))
         rec["empirical_eta0"] = eta0
-        rec["eta0_over_eta_star"] = None if eta0 is None else eta0 / e1
+        rec["empirical_eta0_over_eta_star"] = None if eta0 is None else eta0 / e1
         Bs: dict = {}
         for s in scales:
             use = [k for k in mine if kinds[k] == "fixed" and table[k][1] == s]

@@ -24,7 +24,14 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from .._costs import cost_from_name
-from .._lyapunov import _check_per_tick, _cumtrapz, _delayed, workload_gap, workload_potential
+from .._lyapunov import (
+    _check_per_tick,
+    _cumtrapz,
+    _delayed,
+    _tick_pairs,
+    workload_gap,
+    workload_potential,
+)
 
 
 class ProjectionCheck(eqx.Module):
@@ -107,15 +114,7 @@ def _projection_check_impl(cost, scn, N_star, x_star, eta, h, t, N, x):
     lhs = _cumtrapz(gap, t)[-1]
     f = cost.destination(scn, N)  # (K+1, n)
 
-    # Tick k (k = 0..K-1) carries x^{k-m-1} on [t_k, t_k + r) and x^{k-m} after (x^0
-    # before 0), with tau = m h + r (theory/discretisation.md).
-    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)[None]
-    r = jnp.maximum(tau - m[0] * h, 0.0)[None]  # (1, n, n)
-    k = jnp.arange(K)[:, None, None]
-    rows = jnp.arange(tau.shape[0])[None, :, None]
-    cols = jnp.arange(tau.shape[1])[None, None, :]
-    prev = dx[jnp.maximum(k - m - 1, 0), rows, cols]  # (K, n, n)
-    cur = dx[jnp.maximum(k - m, 0), rows, cols]
+    prev, cur, r = _tick_pairs(dx, tau, h)  # (K, n, n) twice, (1, n, n)
     # f_j(N_j(t)) linear on each tick: its integral over [0, r) and [r, h).
     f0, f1 = f[:-1][:, None, :], f[1:][:, None, :]
     first = r * f0 + (f1 - f0) * r**2 / (2.0 * h)
