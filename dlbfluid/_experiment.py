@@ -9,6 +9,12 @@ whole `scenarios x trials` batch under each policy in one vmapped call. The unit
 one `(variant, policy)` batch: its rows are appended to `results.csv` and fsync'ed
 together, so a killed run resumes at the first unit that is not complete, and a torn
 last unit is dropped and recomputed (never duplicated).
+
+With `model="requests"` (`ExperimentConfig.model`) every unit is simulated twice on the
+same batch and step sizes: by the fluid model, as above, and request by request
+(`simulate_requests`, one run per scenario and trial, `ExperimentConfig.service` cells),
+whose mean and 90th-percentile latency and error rate are the unit's results, the fluid
+mean latency and error rate beside them (`REQUEST_FIELDS`).
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ from ._generator import TOKEN_TIME_CV, generate, scenario_dicts
 from ._integrators import Fast
 from ._manifest import MANIFEST, open_manifest, resume_note
 from ._plot import plot_summary as plot_summary
-from ._policies import MNLB, FlowRouting, policy_from_name
+from ._policies import MNLB, ErrorAverse, FlowRouting, policy_from_name
 from ._precision import require_x64
 from ._progress import Progress
+from ._requests import simulate_requests
 from ._scenario import scenario_from_dict, stack_scenarios
 from ._simulate import simulate
 from ._stability import batch_critical_step_size
@@ -59,6 +66,18 @@ FIELDS = (
     "error_rate",
     "status",
 )
+
+REQUEST_FIELDS = ("p90_latency", "fluid_mean_latency", "fluid_error_rate", "fluid_status")
+"""The columns a request-level experiment's `results.csv` adds to `FIELDS`: the run's 90th
+percentile latency (its `mean_latency`, `error_rate` and `status` are the request-level
+run's), and the fluid model's mean latency, error rate and status on the same scenario,
+trial and step sizes."""
+
+
+def fields(cfg: ExperimentConfig) -> tuple[str, ...]:
+    """The columns of `cfg`'s `results.csv`: `FIELDS`, plus `REQUEST_FIELDS` at request
+    level (a fluid run's file is the one written before the twin existed)."""
+    return FIELDS + REQUEST_FIELDS if cfg.model == "requests" else FIELDS
 
 
 # ----------------------------------------------------------------------------------------
@@ -182,7 +201,7 @@ def _critical_step_sizes(batch, policy, eq) -> list[float | None]:
 # ----------------------------------------------------------------------------------------
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _read_rows(path: Path, columns: tuple[str, ...] = FIELDS) -> list[dict]:
     if not path.exists():
         return []
     with open(path, newline="") as f:
@@ -191,7 +210,7 @@ def _read_rows(path: Path) -> list[dict]:
     if lines and not lines[-1].endswith("\n"):
         lines = lines[:-1]  # a torn last line
     rows = list(csv.DictReader(lines))
-    return [r for r in rows if None not in r.values() and len(r) == len(FIELDS)]
+    return [r for r in rows if None not in r.values() and len(r) == len(columns)]
 
 
 def _complete_units(rows: list[dict], expected: int) -> dict[tuple[str, str], list[dict]]:
@@ -201,10 +220,10 @@ def _complete_units(rows: list[dict], expected: int) -> dict[tuple[str, str], li
     return {k: v for k, v in units.items() if len(v) == expected}
 
 
-def _rewrite(path: Path, rows: list[dict]) -> None:
+def _rewrite(path: Path, rows: list[dict], columns: tuple[str, ...] = FIELDS) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         w.writerows(rows)
         f.flush()
@@ -212,9 +231,9 @@ def _rewrite(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def _append(path: Path, rows: list[dict]) -> None:
+def _append(path: Path, rows: list[dict], columns: tuple[str, ...] = FIELDS) -> None:
     with open(path, "a", newline="") as f:
-        csv.DictWriter(f, fieldnames=FIELDS).writerows(rows)
+        csv.DictWriter(f, fieldnames=columns).writerows(rows)
         f.flush()
         os.fsync(f.fileno())
 
@@ -237,11 +256,19 @@ SUMMARY_FIELDS = (
 )
 
 
-def summarise(rows: list[dict], policies=POLICIES) -> list[dict]:
+def summarise(rows: list[dict], policies=POLICIES, model: str = "fluid") -> list[dict]:
     """Per `(variant, policy)`: mean latency normalised by Rand's on the same scenario and
     trial, its mean and 10/50/90th percentiles across scenarios x trials, the raw mean
     latency and the error rate (mean and 90th percentile). Failed runs are counted, not
-    averaged."""
+    averaged. Every row also holds `model` and `p90`: null for the fluid model, which has
+    no latency distribution.
+
+    `model="requests"` (rows with `REQUEST_FIELDS`): the latencies and error rates are the
+    request-level runs'; `p90` is the mean across scenarios x trials of the run's 90th
+    percentile latency over Rand's on the same scenario and trial, `p90_latency` its raw
+    mean (s), and `fluid_normalized_latency`, `fluid_mean_latency`, `fluid_error_rate` the
+    fluid model's on the same scenarios (over the runs where both Rand's and the policy's
+    fluid runs succeeded)."""
     by = {}
     for r in rows:
         by[(r["variant"], r["policy"], r["scenario"], r["trial"])] = r
@@ -253,15 +280,35 @@ def summarise(rows: list[dict], policies=POLICIES) -> list[dict]:
             if not mine:
                 continue
             norm, lat, err, failed = [], [], [], 0
+            p90n, p90, fnorm, flat, ferr = [], [], [], [], []
             for r in mine:
                 base = by.get((v, "rand", r["scenario"], r["trial"]))
+                if model == "requests" and base is not None:
+                    if r["fluid_status"] == "success" == base["fluid_status"]:
+                        flat.append(float(r["fluid_mean_latency"]))
+                        ferr.append(float(r["fluid_error_rate"]))
+                        fnorm.append(flat[-1] / float(base["fluid_mean_latency"]))
                 if r["status"] != "success" or base is None or base["status"] != "success":
                     failed += 1
                     continue
                 lat.append(float(r["mean_latency"]))
                 err.append(float(r["error_rate"]))
                 norm.append(float(r["mean_latency"]) / float(base["mean_latency"]))
+                if model == "requests":
+                    p90.append(float(r["p90_latency"]))
+                    p90n.append(p90[-1] / float(base["p90_latency"]))
             q = lambda a, pct: float(np.percentile(a, pct)) if a else None  # noqa: E731
+            m = lambda a: float(np.mean(a)) if a else None  # noqa: E731
+            extra: dict = {"p90": None, "model": model}
+            if model == "requests":
+                extra = {
+                    "p90": m(p90n),
+                    "p90_latency": m(p90),
+                    "fluid_normalized_latency": m(fnorm),
+                    "fluid_mean_latency": m(flat),
+                    "fluid_error_rate": m(ferr),
+                    "model": model,
+                }
             out.append(
                 {
                     "variant": v,
@@ -275,6 +322,7 @@ def summarise(rows: list[dict], policies=POLICIES) -> list[dict]:
                     "mean_latency": float(np.mean(lat)) if lat else None,
                     "error_rate": float(np.mean(err)) if err else None,
                     "error_rate_p90": q(err, 90),
+                    **extra,
                 }
             )
     return out
@@ -378,6 +426,11 @@ def run_experiment(
             err = np.asarray(sol.error_rate(window=1.0))
             status = sol.status_names()
             n_cells = np.asarray(batch.cell_mask).sum(axis=-1)
+            if cfg.model == "requests":
+                fluid = (lat, err, status)
+                lat, p90, err, status = _simulate_requests_unit(
+                    cfg, mine, pol, eta[lo:hi], averse, tick
+                )
             for b, k in enumerate(rows_part):
                 s, t = divmod(k, cfg.trials)
                 # A "success" with a non-finite latency (e.g. nothing served) is reported
@@ -385,6 +438,17 @@ def run_experiment(
                 ok_lat = status[b] != "success" or math.isfinite(lat[b])
                 state_k = status[b] if ok_lat else "nonfinite"
                 ok = state_k == "success"
+                extra = {}
+                if cfg.model == "requests":
+                    f_lat, f_err, f_status = fluid
+                    f_state = f_status[b] if math.isfinite(f_lat[b]) else "nonfinite"
+                    f_ok = f_state == "success"
+                    extra = {
+                        "p90_latency": f"{p90[b]:.10g}" if ok else "",
+                        "fluid_mean_latency": f"{f_lat[b]:.10g}" if f_ok else "",
+                        "fluid_error_rate": f"{f_err[b]:.10g}" if f_ok else "",
+                        "fluid_status": f_state,
+                    }
                 new.append(
                     {
                         "experiment": cfg.experiment,
@@ -398,17 +462,18 @@ def run_experiment(
                         "mean_latency": f"{lat[b]:.10g}" if ok else "",
                         "error_rate": f"{err[b]:.10g}" if ok else "",
                         "status": state_k,
+                        **extra,
                     }
                 )
         shares = procs.gather(new, "experiment/rows")
         if shares is not None:
-            _append(rpath, [row for share in shares for row in share])
+            _append(rpath, [row for share in shares for row in share], fields(cfg))
         ndone += 1
         bar.update(ndone, f"{v} {p}")
     if not procs.main:
         return None
-    rows = _read_rows(rpath)
-    summary = summarise(rows, order)
+    rows = _read_rows(rpath, fields(cfg))
+    summary = summarise(rows, order, cfg.model)
     with open(out / "summary.csv", "w", newline="") as f:
         if summary:
             w = csv.DictWriter(f, fieldnames=list(summary[0]))
@@ -416,11 +481,12 @@ def run_experiment(
             w.writerows(summary)
     result = {"experiment": cfg.experiment, "config": cfg.to_json(), "summary": summary}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    level = f" (request level, {cfg.service})" if cfg.model == "requests" else ""
     plot_summary(
         summary,
         out / f"{cfg.experiment}.png",
         title=f"dlbfluid experiment "
-        f"{cfg.experiment}: {cfg.scenarios} scenarios x {cfg.trials} trials",
+        f"{cfg.experiment}{level}: {cfg.scenarios} scenarios x {cfg.trials} trials",
     )
     return result
 
@@ -446,6 +512,8 @@ def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], lis
         "step_fraction": "--step-fraction",
         "policies": "--policies",
         "error_aversion": "--no-error-aversion",
+        "model": "--model",
+        "service": "--service",
     }
     cpath = out / "config.json"
     legacy = None
@@ -465,12 +533,12 @@ def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], lis
     if not cpath.exists():
         cpath.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
     rpath = out / "results.csv"
-    rows = _read_rows(rpath)
+    rows = _read_rows(rpath, fields(cfg))
     done = _complete_units(rows, cfg.scenarios * cfg.trials)
     kept = [r for unit in done.values() for r in unit]
     torn = rpath.exists() and not rpath.read_text().endswith("\n")  # a half-written line
     if len(kept) != len(rows) or torn or not rpath.exists():
-        _rewrite(rpath, kept)  # drop a torn unit (and write the header of a new file)
+        _rewrite(rpath, kept, fields(cfg))  # drop a torn unit (and write the header of a new file)
     if resumed:
         total = len(_variants(cfg.experiment)) * len(cfg.policies)
         resume_note(out, len(done), total, "units")
@@ -489,3 +557,35 @@ def _simulate_unit(cfg, batch, pol, eta, aversion, integrator, tick):
         error_aversion=aversion,
         throw=False,
     )
+
+
+def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick):
+    """The request-level runs of one unit: one trial per scenario and fluctuation trial of
+    `batch`, the policy wrapped in `ErrorAverse` as the fluid run's is, seeded by
+    `cfg.seed` (the same random streams for every policy: common random numbers). Returns
+    per run the mean latency of the served requests (NaN when none was served), the 90th
+    percentile latency, the error rate and the status name.
+
+    Across processes each process draws its share's streams from `cfg.seed` alone: the
+    runs are statistically, not bitwise, those of a one-process run."""
+    looped = pol if aversion is None else ErrorAverse(pol, aversion)
+    sol = simulate_requests(
+        batch,
+        looped,
+        service=cfg.service,
+        seed=cfg.seed,
+        step_size=eta,
+        tick=tick,
+        horizon=cfg.horizon,
+        n_save=1,
+        throw=False,
+    )
+    served = np.asarray(sol.served)[:, 0]
+    total = np.asarray(sol.latency_sum)[:, 0]
+    lat = np.where(served > 0, total / np.maximum(served, 1), np.nan)
+    p90 = np.asarray(sol.percentile(0.9))[:, 0]
+    p90 = np.where(served > 0, p90, np.nan)
+    err = np.asarray(sol.error_rate())[:, 0]
+    status = np.asarray(sol.status_names())[:, 0]
+    status = np.where((status == "success") & ~np.isfinite(p90), "nonfinite", status)
+    return lat, p90, err, status

@@ -42,6 +42,15 @@ KINDS = (
 )
 """Experiment kinds (`dlbfluid experiment KIND`)."""
 
+MODELS = ("fluid", "requests")
+"""What an experiment simulates: the fluid model (`simulate`), or the request-level twin
+(`simulate_requests`) beside it on the same scenarios and step sizes."""
+SERVICES = ("markov", "servers")
+"""The request-level cell kinds (`simulate_requests(service=...)`)."""
+REQUEST_KINDS = tuple(k for k in KINDS if k != "outage")
+"""The kinds the request-level twin runs: not `outage`, whose replica schedule (cells cut
+during the run) `simulate_requests` does not support."""
+
 
 STEP_RULE_KAPPA = {"rif": 10**-4.25, "latency": 10**-1.75, "gradient": 10**-2.5}
 """$\\kappa$ of the paper's step-size rule per cost family, calibrated once on scenarios
@@ -91,7 +100,16 @@ class ExperimentConfig:
     `step_fraction`, `policies`, `error_aversion` (every policy but MNLB uses
     `ErrorAversion()`), `mnlb_error_aversion` (MNLB too; off by default: the paper's MNLB is
     a separate, centralised system), `mnlb_period` (s) and `mnlb_cap` (MNLB's utilisation
-    cap), `fluctuation` (trial noise $\\sigma$), `utilisation` (of the base scenarios).
+    cap), `fluctuation` (trial noise $\\sigma$), `utilisation` (of the base scenarios),
+    `model` (`MODELS`: `"fluid"`, or `"requests"`: every unit is also simulated request by
+    request, one request-level run per scenario and trial, seeded by `seed`) and `service`
+    (`SERVICES`, the request-level cells; `"markov"` for the fluid model).
+
+    `to_json` (the directory's fingerprint) leaves `model` and `service` out for a fluid
+    run, so that a fluid experiment's configuration is the one recorded before the
+    request-level twin existed (its directories keep resuming), and holds both for a
+    request-level run (which therefore never resumes into a fluid run's directory, nor into
+    one of another service).
     """
 
     experiment: str
@@ -109,6 +127,8 @@ class ExperimentConfig:
     mnlb_cap: float = 0.9
     fluctuation: float = 0.1
     utilisation: float = 0.8
+    model: str = "fluid"
+    service: str = "markov"
 
     def __post_init__(self):
         vs = variants(self.experiment)
@@ -146,6 +166,25 @@ class ExperimentConfig:
             raise ValueError(
                 f"utilisation = {self.utilisation!r} is invalid: expected 0 < value < 1"
             )
+        if self.model not in MODELS:
+            raise ValueError(
+                f"model = {self.model!r} is invalid: allowed models are {list(MODELS)}"
+            )
+        if self.service not in SERVICES:
+            raise ValueError(
+                f"service = {self.service!r} is invalid: allowed services are {list(SERVICES)}"
+            )
+        if self.model == "fluid" and self.service != "markov":
+            raise ValueError(
+                f"service = {self.service!r} is invalid with model = 'fluid': the service kind "
+                "is the request-level cells' (model 'requests')"
+            )
+        if self.model == "requests" and self.experiment not in REQUEST_KINDS:
+            raise ValueError(
+                f"model = 'requests' is invalid for experiment = {self.experiment!r}: the "
+                "request-level twin supports constant replica counts only and the outage cuts "
+                f"replicas during the run; allowed experiments are {list(REQUEST_KINDS)}"
+            )
         pols = tuple(self.policies)
         for p in pols:
             if p not in _REGISTRY:
@@ -164,4 +203,6 @@ class ExperimentConfig:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["policies"] = list(self.policies)
+        if self.model == "fluid":
+            del d["model"], d["service"]  # (the fingerprint of a fluid run, unchanged)
         return d

@@ -176,7 +176,10 @@ def test_cli_json_contract(first_run, capsys):
         "mean_latency",
         "error_rate",
         "error_rate_p90",
+        "p90",  # issue 32: null in the fluid model (no latency distribution)
+        "model",
     }
+    assert all(s["model"] == "fluid" and s["p90"] is None for s in got["summary"])
     assert set(ex.SUMMARY_FIELDS) < set(got["summary"][0])  # the constant the notebook reads
 
 

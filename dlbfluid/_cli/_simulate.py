@@ -1,4 +1,6 @@
-"""`dlbfluid simulate SCENARIO --policy P --step-size ETA --tick H --horizon T`."""
+"""`dlbfluid simulate SCENARIO --policy P --step-size ETA --tick H --horizon T`, and
+`--model requests`: the same scenario request by request (`simulate_requests`), one or
+more policies, `--trials` runs each."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 import numpy as np
 
 from ._common import (
+    SEED_MAX,
     add_process_options,
     add_run_options,
     check_out_dir,
@@ -21,6 +24,7 @@ from ._common import (
     positive_float,
     positive_int,
     step_size_warning,
+    table,
     warn,
     write_json,
 )
@@ -77,8 +81,45 @@ def register(sub) -> None:
     p.add_argument(
         "--policy",
         choices=POLICIES.names(),
-        default="flow-grad",
-        help="routing policy (default flow-grad)",
+        action="append",
+        default=None,
+        help="routing policy (default flow-grad); with --model requests it may be repeated "
+        "(--policy rand --policy flow-grad), each policy run on the same trials",
+    )
+    g = p.add_argument_group(
+        "request level (--model requests)",
+        "Simulate the scenario request by request (dlbfluid.simulate_requests): Poisson "
+        "arrivals, the policies' own routing from delayed request counts, random service. "
+        "Statistics are over the --window; --integrator, --substeps, --rtol, --atol and the "
+        "step-size check are the fluid model's and do not apply.",
+    )
+    g.add_argument(
+        "--model",
+        default="fluid",
+        metavar="fluid|requests",
+        help="fluid: integrate the fluid model (default); requests: the request-level twin",
+    )
+    g.add_argument(
+        "--service",
+        default=None,
+        metavar="markov|servers",
+        help="the cells: markov (default; the birth-death process whose fluid limit is the "
+        "fluid model) or servers (FIFO servers)",
+    )
+    g.add_argument(
+        "--scale",
+        default=None,
+        metavar="K",
+        help="an integer >= 1: arrival rates, replicas and buffers times K (default 1)",
+    )
+    g.add_argument(
+        "--trials",
+        default=None,
+        metavar="T",
+        help=f"an integer >= 1: independent runs per policy (default {DEFAULT_TRIALS})",
+    )
+    g.add_argument(
+        "--seed", default=None, metavar="S", help="the random stream, in [0, 2**63) (default 0)"
     )
     add_run_options(p, horizon=100.0)
     p.add_argument(
@@ -114,6 +155,25 @@ def register(sub) -> None:
     add_process_options(p)
     p.set_defaults(func=run)
 
+
+DEFAULT_TRIALS = 10
+"""`--trials` of `--model requests` unless given (90% intervals need at least 2)."""
+MODELS = ("fluid", "requests")
+"""`--model`: the fluid model, or the request-level twin."""
+SERVICES = ("markov", "servers")
+"""`--service`: the request-level cells (`simulate_requests(service=...)`)."""
+# simulate_requests' argument names in its messages, and the options that set them.
+_REQUEST_FLAGS = {
+    "service": "--service",
+    "scale": "--scale",
+    "trials": "--trials",
+    "seed": "--seed",
+    "horizon": "--horizon",
+    "tick": "--tick",
+    "warmup": "--window",
+    "n_save": "--n-save",
+    "step_size": "--step-size",
+}
 
 STEP_RATIO_WARN = 1.0
 """`simulate` warns when a flow policy's step size exceeds this multiple of $\\eta^*$."""
@@ -152,6 +212,59 @@ def _latency_text(summary: dict) -> str:
     return "n/a (every arrival in the window was dropped)"
 
 
+def _whole(flag: str, text: str, lo: int, hi: int | None = None, shown: str = "") -> int:
+    """The integer `text` of option `flag` in `[lo, hi]`, or a one-line `ValueError` naming
+    the flag, the value and what is allowed."""
+    try:
+        v: int | None = int(text.strip())
+    except ValueError:
+        v = None
+    if v is None or v < lo or (hi is not None and v > hi):
+        allowed = shown or (f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
+        raise ValueError(f"{flag} = {text!r} is invalid: expected {allowed}")
+    return v
+
+
+def request_options(args) -> dict | None:
+    """The checked request-level options (`model`, `service`, `scale`, `trials`, `seed`,
+    `policies`), or `None` for the fluid model; every refusal is one line naming the
+    option, its value and what is allowed. The fluid model takes one `--policy` and none of
+    the request-level options."""
+    if args.model not in MODELS:
+        raise ValueError(f"--model = {args.model!r} is invalid: allowed {', '.join(MODELS)}")
+    policies = list(args.policy or ["flow-grad"])
+    if args.model == "fluid":
+        for name in ("service", "scale", "trials", "seed"):
+            value = getattr(args, name)
+            if value is not None:
+                raise ValueError(
+                    f"--{name} = {value!r} is invalid with --model fluid: it applies to "
+                    "--model requests only"
+                )
+        if len(policies) > 1:
+            raise ValueError(
+                f"--policy = {policies} is invalid with --model fluid: expected one policy "
+                "(--model requests takes several)"
+            )
+        return None
+    dup = sorted({p for p in policies if policies.count(p) > 1})
+    if dup:
+        raise ValueError(f"--policy = {policies} is invalid: {dup} named twice; expected each once")
+    service = "markov" if args.service is None else args.service
+    if service not in SERVICES:
+        raise ValueError(f"--service = {service!r} is invalid: allowed {', '.join(SERVICES)}")
+    return {
+        "model": "requests",
+        "service": service,
+        "scale": 1 if args.scale is None else _whole("--scale", args.scale, 1),
+        "trials": DEFAULT_TRIALS if args.trials is None else _whole("--trials", args.trials, 1),
+        "seed": 0
+        if args.seed is None
+        else _whole("--seed", args.seed, 0, SEED_MAX, "an integer in [0, 2**63)"),
+        "policies": policies,
+    }
+
+
 def run(args) -> int:
     """Every option, the scenario and `--out` are checked before the simulation starts
     (exit status 2). With zero demand over the averaging window the mean latency is
@@ -159,6 +272,10 @@ def run(args) -> int:
     procs = getattr(args, "processes", None)
     if procs is not None and not procs.main:
         return 0  # one scenario: process 0 simulates it, the others wait (`finish`)
+    req = request_options(args)
+    if req is not None:
+        return run_requests(args, req)
+    args.policy = args.policy[0] if args.policy else "flow-grad"
     check_whole_ticks(args.horizon, args.tick)
     scn = load_scenario_arg(args.scenario, allow_overload=args.allow_overload, command="simulate")
     out = check_out_dir(args.out)
@@ -232,3 +349,126 @@ def run(args) -> int:
         if args.out:
             print(f"wrote {args.out}/trajectory.npz, summary.json, trajectory.png")
     return 0 if summary["status"] == "success" else 1
+
+
+def _flagged(e: ValueError) -> ValueError:
+    """`simulate_requests`' message with its argument's name replaced by the option's."""
+    msg = str(e)
+    field = msg.split(" ", 1)[0]
+    if field in _REQUEST_FLAGS:
+        msg = _REQUEST_FLAGS[field] + msg[len(field) :]
+    return ValueError(msg)
+
+
+def run_requests(args, req: dict) -> int:
+    """`--model requests`: `simulate_requests(..., throw=False)` for every `--policy` on
+    the same `--trials` random streams, statistics over the `--window` (the warm-up is the
+    horizon before it). Prints, per policy, `RequestSolution.summary()` (README, *simulate
+    --model requests*); the exit status is 1 when any policy's status is not `success`."""
+    from .._requests import simulate_requests
+
+    K = check_whole_ticks(args.horizon, args.tick)
+    scn = load_scenario_arg(args.scenario, allow_overload=args.allow_overload, command="simulate")
+    out = check_out_dir(args.out)
+    from .._registry import flow_policy_names
+
+    note = step_size_warning(args.step_size, args.tick)
+    if note and any(p in flow_policy_names() for p in req["policies"]):
+        warn("simulate", note)
+    n_save = min(args.n_save, K)
+    warmup = max(0.0, args.horizon - args.window * args.horizon)
+    results: dict[str, dict] = {}
+    arrays: dict = {}  # (counts.npz: the save times and each policy's counts)
+    t0 = time.perf_counter()
+    for pol in req["policies"]:
+        doing(
+            "simulate",
+            f"simulating {pol} request by request ({req['service']} cells, scale "
+            f"{req['scale']}, {req['trials']} trials of {K} ticks of {args.tick:g} s)",
+        )
+        try:
+            sol = simulate_requests(
+                scn,
+                pol,
+                service=req["service"],
+                scale=req["scale"],
+                trials=req["trials"],
+                seed=req["seed"],
+                step_size=args.step_size,
+                tick=args.tick,
+                horizon=args.horizon,
+                warmup=warmup,
+                n_save=n_save,
+                throw=False,
+            )
+        except ValueError as e:
+            raise _flagged(e) from None
+        results[pol] = sol.summary()
+        arrays["t"] = np.asarray(sol.t)
+        arrays[f"count_{pol}"] = np.asarray(sol.count)
+    wall = time.perf_counter() - t0
+    bad = [r["status"] for r in results.values() if r["status"] != "success"]
+    n = len(next(iter(results.values()))["cells"])
+    summary = {
+        "model": req["model"],
+        "service": req["service"],
+        "scale": req["scale"],
+        "seed": req["seed"],
+        "trials": req["trials"],
+        "scenario": scn.name,
+        "cells": list(scn.cell_names) or [f"cell{j}" for j in range(n)],
+        "horizon": args.horizon,
+        "tick": args.tick,
+        "step_size": args.step_size,
+        "window": args.window,
+        "warmup": warmup,
+        "status": bad[0] if bad else "success",
+        "policies": results,
+        "wall_s": wall,
+    }
+    if out is not None:
+        np.savez(out / "counts.npz", **arrays)
+        write_json(out / "summary.json", summary)
+    if args.json:
+        emit_json(summary)
+    else:
+        _print_requests(summary, args)
+    return 0 if not bad else 1
+
+
+def _g(v, scale: float = 1.0) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{scale * v:.4g}"
+
+
+def _print_requests(summary: dict, args) -> None:
+    print(
+        f"scenario {summary['scenario']!r}, request level ({summary['service']} cells, scale "
+        f"{summary['scale']}), {summary['trials']} trials, seed {summary['seed']}, eta "
+        f"{summary['step_size']}, tick {summary['tick']} s, horizon {summary['horizon']} s"
+    )
+    print(
+        f"end-to-end latency of the requests served in the last {args.window:.0%} (s); "
+        "+-: 90% half-width across trials"
+    )
+    rows = []
+    for pol, r in summary["policies"].items():
+        lat, ci = r["latency"], r["latency_ci90"]
+        rows.append(
+            [pol, r["status"], _g(lat["mean"]), _g(ci["mean"]), _g(lat["p50"]), _g(lat["p90"]),
+             _g(ci["p90"]), _g(lat["p99"]), _g(r["error_rate"], 100), r["served"]]
+        )  # fmt: skip
+    header = ["policy", "status", "mean", "+-", "p50", "p90", "+-", "p99", "errors %", "served"]
+    print(table(rows, header))
+    print("per cell, time averages over the window: requests present / utilisation")
+    names = summary["cells"]
+    rows = [
+        [names[j]]
+        + [
+            f"{_g(r['cells'][j]['mean_requests'])} / {_g(r['cells'][j]['utilisation'])}"
+            for r in summary["policies"].values()
+        ]
+        for j in range(len(names))
+    ]
+    print(table(rows, ["cell", *summary["policies"]]))
+    if args.out:
+        print(f"wrote {args.out}/summary.json, counts.npz")
