@@ -120,7 +120,8 @@ def register(sub) -> None:
         default=None,
         metavar="markov|servers",
         help="with --model requests: the cells, markov (default: the birth-death process "
-        "whose fluid limit is the fluid model) or servers (FIFO servers)",
+        "whose fluid limit is the fluid model) or servers (the App.-B prefill/decode servers "
+        "the generator writes)",
     )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--no-progress", action="store_true", help="never show progress")

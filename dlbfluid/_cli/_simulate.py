@@ -104,7 +104,8 @@ def register(sub) -> None:
         default=None,
         metavar="markov|servers",
         help="the cells: markov (default; the birth-death process whose fluid limit is the "
-        "fluid model) or servers (FIFO servers)",
+        "fluid model) or servers (the cells' App.-B prefill/decode servers; an M/M/1 cell "
+        "without them: exponential FIFO servers)",
     )
     g.add_argument(
         "--scale",
