@@ -96,9 +96,13 @@ if TYPE_CHECKING:
     from ._simulate import LAYOUTS as LAYOUTS
     from ._simulate import Accurate as Accurate
     from ._simulate import Fast as Fast
+    from ._simulate import SavePoint as SavePoint
     from ._simulate import SimState as SimState
+    from ._simulate import SimulateOptions as SimulateOptions
+    from ._simulate import Simulator as Simulator
     from ._simulate import Totals as Totals
     from ._simulate import simulate as simulate
+    from ._simulate import simulator as simulator
     from ._simulate import STATUS as STATUS
     from ._simulate import SimulationError as SimulationError
     from ._simulate import Solution as Solution

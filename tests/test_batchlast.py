@@ -11,7 +11,7 @@ from helpers import random_scenario
 import dlbfluid as dl
 from dlbfluid._elementary import exp_neg, log1p_unit
 from dlbfluid._simulate import batchlast as _batchlast
-from dlbfluid._simulate import loop as _simulate
+from dlbfluid._simulate import default_layout, verb
 from dlbfluid._simulate.batchlast import vmap_last
 
 B = 5
@@ -151,7 +151,6 @@ def test_layout_is_checked():
 def test_default_layout_rules():
     """`layout=None` puts the batch last for float32 on a CPU with `Fast`, up to 16 cells,
     from 128 scenarios per device and 4 ticks per save; anything else stays batch-first."""
-    default_layout = _simulate.default_layout
     assert jax.default_backend() == "cpu"
     f32, f64 = jnp.float32, jnp.float64
     fast = dl.Fast()
@@ -167,20 +166,22 @@ def test_default_layout_rules():
 
 def test_default_layout_is_used(monkeypatch):
     """`simulate` without a layout runs the layout `default_layout` names (here with the
-    share threshold lowered to 2 scenarios): float32 with 40 ticks per save batch-last,
-    equal to the bit to an explicit `layout="batch-last"` run; float64, and float32 with 2
-    ticks per save, batch-first."""
-    monkeypatch.setattr(_simulate, "CPU_CHUNK_BATCH_LAST", 2)
+    share threshold lowered to 2 scenarios, `SimulateOptions(batch_last_chunk=2)`): float32
+    with 40 ticks per save batch-last, equal to the bit to an explicit
+    `layout="batch-last"` run; float64, and float32 with 2 ticks per save, batch-first."""
     chosen = []
-    real = _simulate._chosen_chunk
+    real = verb._chosen_chunk
 
-    def spy(chunk, n, share, layout="batch-first"):
+    def spy(chunk, n, share, layout="batch-first", options=None):
         chosen.append(layout)
-        return real(chunk, n, share, layout)
+        return real(chunk, n, share, layout, options)
 
-    monkeypatch.setattr(_simulate, "_chosen_chunk", spy)
+    monkeypatch.setattr(verb, "_chosen_chunk", spy)  # (a spy: it changes nothing)
     scn = _batch()
-    kw = dict(tick=0.01, horizon=0.4, n_save=1)  # 40 ticks per save
+    opts = dl.SimulateOptions(batch_last_chunk=2)
+    assert default_layout(jnp.float32, 3, 3, dl.Fast(), 40, opts) == "batch-last"
+    assert default_layout(jnp.float32, 3, 3, dl.Fast(), 40) == "batch-first"  # 3 < 128
+    kw = dict(tick=0.01, horizon=0.4, n_save=1, options=opts)  # 40 ticks per save
     got = dl.simulate(scn, "flow-grad", dtype=jnp.float32, **kw)
     last = dl.simulate(scn, "flow-grad", dtype=jnp.float32, layout="batch-last", **kw)
     dl.simulate(scn, "flow-grad", **kw)

@@ -13,7 +13,7 @@ from reference import POLICIES as REFERENCE_POLICIES
 from reference import reference_simulate
 
 import dlbfluid as dl
-import dlbfluid._simulate.loop as sim
+import dlbfluid._simulate as sim
 
 H = 0.05
 REGISTERED = dl.POLICIES.names()
@@ -33,7 +33,7 @@ def _scenarios():
 
 
 @pytest.mark.parametrize("policy", REGISTERED)
-def test_policy_contract(policy, monkeypatch):
+def test_policy_contract(policy):
     """One compiled shape per policy (3 scenarios of 3 cells, 2 s, 40 ticks):
 
     * mass balance: arrivals at the roots minus departures = change of workload plus
@@ -47,14 +47,14 @@ def test_policy_contract(policy, monkeypatch):
     kw = dict(step_size=0.3, tick=H, horizon=2.0, n_save=40)
     laws = ("mm1", "softplus")  # (the models present are static: keep one set)
     mixed = dl.simulate(dl.stack_scenarios([good, other, bad], laws=laws), policy, **kw)
-    traces = []
-    real = sim._init_state
-    monkeypatch.setattr(sim, "_init_state", lambda *a, **k: traces.append(1) or real(*a, **k))
+    # (`simulate_program` counts its traces, `eqx.debug.assert_max_traces`; the counter's
+    # positive control: test_simulate.py::test_n_save_is_bucketed_and_the_trace_counter_fires)
+    before = eqx.debug.get_num_traces(sim.simulate_program)
     alone = [
         dl.simulate(dl.stack_scenarios([s, s, s], n_cells=3, laws=laws), policy, **kw)
         for s in (good, other)
     ]
-    assert traces == []
+    assert eqx.debug.get_num_traces(sim.simulate_program) == before
     assert mixed.status_names().tolist() == ["success", "success", "nonfinite"]
     assert np.all(np.isfinite(np.asarray(mixed.N)))
     for b, one in enumerate(alone):

@@ -231,7 +231,7 @@ def _window_width_by_profile(times, span, rates):
 def test_window_width_against_profile_loop():
     """`_window_width` (all profiles at once) against a loop over profiles and pairs, on
     random sorted profiles with ties, jumps and trailing runs of padding."""
-    from dlbfluid._simulate import loop as sim
+    from dlbfluid._simulate import verb as sim
 
     rng = np.random.default_rng(3)
     seen = set()
@@ -252,8 +252,8 @@ def test_window_width_against_profile_loop():
 def test_profile_window_is_exact(monkeypatch):
     # Generated scenarios carry ~60 arrival breakpoints; each tick integrates over a window
     # of a few of them. Forcing the full profile must give the same trajectory.
-    from dlbfluid._simulate import loop as sim
     from dlbfluid._generator import generate, scenario_dicts
+    from dlbfluid._simulate import verb as sim
 
     d = scenario_dicts(generate(3, 1, max_cells=4), event="spikes", trial=1, horizon=120.0)[0]
     scn = dl.scenario_from_dict(d, allow_overload=True)

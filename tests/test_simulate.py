@@ -14,10 +14,17 @@ from helpers import THREE, random_scenario, square_root_rule, symmetric_pair, tw
 from reference import reference_simulate
 
 import dlbfluid as dl
-import dlbfluid._simulate.loop as sim
+import dlbfluid._simulate as sim
 
 H, T = 0.05, 10.0
 ACC = dl.Accurate(rtol=1e-10, atol=1e-12)
+
+
+def traces() -> int:
+    """How many programs `simulate` has traced in this process (`simulate_program` is
+    wrapped in `eqx.debug.assert_max_traces`; the positive control:
+    `test_n_save_is_bucketed_and_the_trace_counter_fires`)."""
+    return eqx.debug.get_num_traces(sim.simulate_program)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +179,7 @@ def test_flow_routing_tends_to_continuous_projected_dynamics():
     assert errs[-1] < 1e-3
 
 
-def test_padded_batch_equals_loop_and_does_not_recompile(monkeypatch, three):
+def test_padded_batch_equals_loop_and_does_not_recompile(three):
     a, b = THREE, two_mm1(tau=0.02)
     scns = [dl.scenario_from_dict(a), dl.scenario_from_dict(b)]
     batch = dl.stack_scenarios(scns)
@@ -185,14 +192,12 @@ def test_padded_batch_equals_loop_and_does_not_recompile(monkeypatch, three):
         np.testing.assert_allclose(np.asarray(sol.N[k])[:, :n], one.N, atol=1e-12)
         np.testing.assert_allclose(np.asarray(sol.x[k])[:, :n, :n], one.x, atol=1e-12)
         assert np.all(np.asarray(sol.N[k])[:, n:] == 0)
-    traces = []
-    real = sim._init_state
-    monkeypatch.setattr(sim, "_init_state", lambda *a, **k: traces.append(1) or real(*a, **k))
+    before = traces()
     other = dl.stack_scenarios([dl.scenario_from_dict(two_mm1(mu1=3.0, tau=0.03)),
                                 dl.scenario_from_dict(THREE)])
     dl.simulate(other, "flow-grad", step_size=np.array([[0.1], [0.2]]), tick=H, horizon=7.0,
                 n_save=50)
-    assert traces == []  # new values, same shapes and static options: no new trace
+    assert traces() == before  # new values, same shapes and static options: no new trace
 
 
 def test_failure_is_a_status_not_a_crash():
@@ -367,7 +372,7 @@ def test_chunks_change_the_speed_not_the_numbers(capsys):
     rng = np.random.default_rng(11)
     scns = [dl.scenario_from_dict(random_scenario(rng, 4, max_tau=0.12)) for _ in range(5)]
     batch = dl.stack_scenarios(scns)
-    assert sim.default_chunk(4) == sim.CPU_CHUNK > 5  # so the default runs the whole batch
+    assert sim.default_chunk(4) == dl.SimulateOptions().cpu_chunk > 5  # so it runs whole
     ticks = np.array([0.01, 0.02, 0.01, 0.02, 0.01])
     for tick in (0.02, ticks):
         kw = dict(step_size=0.5, tick=tick, horizon=0.6, n_save=6)
@@ -385,3 +390,78 @@ def test_chunks_change_the_speed_not_the_numbers(capsys):
     assert f" {total}/{total} " in err and f"{total + 1}/" not in err, err[-300:]
     with pytest.raises(ValueError, match="chunk = 0 is invalid"):
         dl.simulate(batch, "flow-grad", chunk=0, tick=0.02, horizon=0.6, n_save=6)
+
+
+def test_own_scan_over_step_reproduces_simulate(three):
+    """The public single-scenario simulator: a `lax.scan` of `step` over K ticks, recording
+    after each, gives `simulate(n_save=K)`'s saved trajectory (every field to 1e-12, the
+    same final status); the state is a `SimState` that jit and vmap take whole."""
+    K = 40
+    sol = dl.simulate(three, "flow-grad", step_size=0.3, tick=H, horizon=K * H, n_save=K)
+    s = dl.simulator(three, "flow-grad", step_size=0.3, tick=H)
+    assert isinstance(s, dl.Simulator)
+
+    def body(state, k):
+        state = s.step(state, k)
+        return state, s.record(state, k + 1)
+
+    state0 = s.init()
+    assert isinstance(state0, dl.SimState)
+    state, recs = jax.jit(lambda st: jax.lax.scan(body, st, jnp.arange(K)))(state0)
+    first = s.record(state0, 0)
+    assert isinstance(first, dl.SavePoint)
+    for f in ("t", "N", "x", "arrivals", "departures", "source_arrivals", "workload_integral",
+              "network_integral", "drops", "in_flight"):
+        mine = np.concatenate([np.asarray(getattr(first, f))[None], np.asarray(getattr(recs, f))])
+        np.testing.assert_allclose(mine, np.asarray(getattr(sol, f)), rtol=1e-12, atol=1e-12,
+                                   err_msg=f)
+    assert int(state.status) == int(sol.status) == dl.RESULTS.success
+    assert float(np.max(np.abs(np.asarray(recs.N[-1] - first.N)))) > 0.1  # it moved
+    # A different step size is a different trajectory (the comparison can fail).
+    other = dl.simulator(three, "flow-grad", step_size=0.1, tick=H)
+    moved = jax.jit(lambda st: jax.lax.scan(lambda c, k: (other.step(c, k), None), st,
+                                            jnp.arange(K))[0])(other.init())
+    assert float(np.max(np.abs(np.asarray(moved.N) - np.asarray(sol.N[-1])))) > 1e-4
+
+
+def test_simulator_options_are_checked(three):
+    with pytest.raises(ValueError, match="simulator takes one scenario"):
+        dl.simulator(dl.stack_scenarios([three, three]), "rand")
+    with pytest.raises(ValueError, match=r"horizon = None is invalid for policy 'mnlb'"):
+        dl.simulator(three, "mnlb", tick=H)
+    with pytest.raises(ValueError, match="tick = 0.0 is invalid"):
+        dl.simulator(three, "rand", tick=0.0)
+    with pytest.raises(ValueError, match="step_size has shape"):
+        dl.simulator(three, "rand", step_size=np.ones(5))
+    assert dl.simulator(three, "rand", tick=H).width >= 1  # (no horizon needed for rand)
+
+
+def test_n_save_is_bucketed_and_the_trace_counter_fires():
+    """`n_save` is compiled in buckets (powers of two up to 64): 3 and 4 share one program,
+    8 traces a second one, which the counter sees (the positive control of the no-retrace
+    checks). The bucketed run's saves equal an unbucketed run's bit for bit, and the save
+    points of a run that saves every tick."""
+    s = dl.scenario_from_dict(two_mm1(tau=0.07))
+    kw = dict(step_size=0.5, tick=0.1, horizon=0.8, integrator=dl.Fast(3))  # Fast(3): unique
+    assert [dl.SimulateOptions().save_bucket(n) for n in (1, 3, 4, 5, 64, 65, 200)] == [
+        1, 4, 4, 8, 64, 128, 256]
+    c0 = traces()
+    a = dl.simulate(s, "flow-grad", n_save=3, **kw)
+    assert traces() == c0 + 1
+    dl.simulate(s, "flow-grad", n_save=4, **kw)
+    assert traces() == c0 + 1  # the same bucket: no new trace
+    every = dl.simulate(s, "flow-grad", n_save=8, **kw)
+    assert traces() == c0 + 2  # a second trace is counted
+    plain = dl.simulate(s, "flow-grad", n_save=3, options=dl.SimulateOptions(bucket_saves=False),
+                        **kw)
+    assert traces() == c0 + 3
+    assert a.N.shape == plain.N.shape == (4, 2)
+    np.testing.assert_allclose(np.asarray(a.t), [0.0, 0.2, 0.5, 0.8], atol=1e-12)
+    for f in ("t", "N", "x", "arrivals", "in_flight", "workload_integral"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(plain, f)))
+        np.testing.assert_allclose(np.asarray(getattr(a, f)),
+                                   np.asarray(getattr(every, f))[np.array([0, 2, 5, 8])],
+                                   rtol=1e-13, atol=1e-13, err_msg=f)
+    assert float(np.max(np.abs(np.asarray(a.N[-1] - a.N[0])))) > 1e-2  # it moved
+    with pytest.raises(ValueError, match="cpu_chunk = 0 is invalid"):
+        dl.SimulateOptions(cpu_chunk=0)

@@ -151,6 +151,37 @@ def _is_point_gather(eqn) -> bool:
     )
 
 
+def _apply_slicing(prim, params, vals, flags, ins, B):
+    """The slicing and joining primitives (`slice`, `dynamic_slice`,
+    `dynamic_update_slice`, `concatenate`, `pad`) with a batch-last input, the batch axis
+    kept last; `None` for any other primitive, or for batched slice offsets."""
+    name = prim.name
+    if name == "slice":
+        params.update(
+            start_indices=tuple(params["start_indices"]) + (0,),
+            limit_indices=tuple(params["limit_indices"]) + (B,),
+        )
+        if params.get("strides") is not None:
+            params["strides"] = tuple(params["strides"]) + (1,)
+        return [prim.bind(vals[0], **params)], [True]
+    if name == "dynamic_slice" and not any(flags[1:]):
+        zero = jnp.zeros((), jnp.asarray(vals[1]).dtype) if len(vals) > 1 else jnp.int32(0)
+        params["slice_sizes"] = tuple(params["slice_sizes"]) + (B,)
+        return [prim.bind(vals[0], *vals[1:], zero, **params)], [True]
+    if name == "dynamic_update_slice" and not any(flags[2:]):
+        op = _full(vals[0], flags[0], ins[0], B)
+        up = _full(vals[1], flags[1], ins[1], B)
+        zero = jnp.zeros((), jnp.asarray(vals[2]).dtype) if len(vals) > 2 else jnp.int32(0)
+        return [prim.bind(op, up, *vals[2:], zero, **params)], [True]
+    if name == "concatenate":
+        args = [_full(v, f, s, B) for v, f, s in zip(vals, flags, ins)]
+        return [prim.bind(*args, **params)], [True]
+    if name == "pad" and not flags[1]:
+        params["padding_config"] = tuple(params["padding_config"]) + ((0, 0, 0),)
+        return [prim.bind(vals[0], vals[1], **params)], [True]
+    return None
+
+
 def _apply(eqn, vals, flags, B):
     """One equation with at least one batch-last input: `(outputs, batched flags)`."""
     prim, params = eqn.primitive, dict(eqn.params)
@@ -182,29 +213,9 @@ def _apply(eqn, vals, flags, B):
     if name == "transpose":
         perm = tuple(params["permutation"])
         return [prim.bind(vals[0], permutation=perm + (len(perm),))], [True]
-    if name == "slice":
-        params.update(
-            start_indices=tuple(params["start_indices"]) + (0,),
-            limit_indices=tuple(params["limit_indices"]) + (B,),
-        )
-        if params.get("strides") is not None:
-            params["strides"] = tuple(params["strides"]) + (1,)
-        return [prim.bind(vals[0], **params)], [True]
-    if name == "dynamic_slice" and not any(flags[1:]):
-        zero = jnp.zeros((), jnp.asarray(vals[1]).dtype) if len(vals) > 1 else jnp.int32(0)
-        params["slice_sizes"] = tuple(params["slice_sizes"]) + (B,)
-        return [prim.bind(vals[0], *vals[1:], zero, **params)], [True]
-    if name == "dynamic_update_slice" and not any(flags[2:]):
-        op = _full(vals[0], flags[0], ins[0], B)
-        up = _full(vals[1], flags[1], ins[1], B)
-        zero = jnp.zeros((), jnp.asarray(vals[2]).dtype) if len(vals) > 2 else jnp.int32(0)
-        return [prim.bind(op, up, *vals[2:], zero, **params)], [True]
-    if name == "concatenate":
-        args = [_full(v, f, s, B) for v, f, s in zip(vals, flags, ins)]
-        return [prim.bind(*args, **params)], [True]
-    if name == "pad" and not flags[1]:
-        params["padding_config"] = tuple(params["padding_config"]) + ((0, 0, 0),)
-        return [prim.bind(vals[0], vals[1], **params)], [True]
+    sliced = _apply_slicing(prim, params, vals, flags, ins, B)
+    if sliced is not None:
+        return sliced
     if name == "sort":
         args = [_full(v, f, s, B) for v, f, s in zip(vals, flags, ins)]
         res = prim.bind(*args, **params)
