@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from ._equilibrium import price_of_anarchy as price_of_anarchy
     from ._equilibrium import rif_latency_range as rif_latency_range
     from ._equilibrium import solve_equilibrium as solve_equilibrium
-    from ._global_threshold import WorstCaseSearch as WorstCaseSearch
-    from ._global_threshold import global_threshold as global_threshold
     from ._equilibrium_grad import equilibrium_sensitivities as equilibrium_sensitivities
     from ._errors import OverloadError as OverloadError
     from ._errors import ScenarioError as ScenarioError
@@ -47,6 +45,8 @@ if TYPE_CHECKING:
     from ._generator import GeneratedScenarios as GeneratedScenarios
     from ._generator import generate as generate
     from ._generator import scenario_dicts as scenario_dicts
+    from ._global_threshold import WorstCaseSearch as WorstCaseSearch
+    from ._global_threshold import global_threshold as global_threshold
     from ._integrators import AbstractIntegrator as AbstractIntegrator
     from ._integrators import TickResult as TickResult
     from ._lyapunov import Diagnostics as Diagnostics
@@ -94,18 +94,18 @@ if TYPE_CHECKING:
     from ._service import ServiceModel as ServiceModel
     from ._service import Softplus as Softplus
     from ._simulate import LAYOUTS as LAYOUTS
+    from ._simulate import STATUS as STATUS
     from ._simulate import Accurate as Accurate
     from ._simulate import Fast as Fast
     from ._simulate import SavePoint as SavePoint
     from ._simulate import SimState as SimState
     from ._simulate import SimulateOptions as SimulateOptions
+    from ._simulate import SimulationError as SimulationError
     from ._simulate import Simulator as Simulator
+    from ._simulate import Solution as Solution
     from ._simulate import Totals as Totals
     from ._simulate import simulate as simulate
     from ._simulate import simulator as simulator
-    from ._simulate import STATUS as STATUS
-    from ._simulate import SimulationError as SimulationError
-    from ._simulate import Solution as Solution
     from ._stability import BatchStability as BatchStability
     from ._stability import HerdingResult as HerdingResult
     from ._stability import StabilityResult as StabilityResult
@@ -121,12 +121,12 @@ if TYPE_CHECKING:
     from ._theorem1 import ProjectionCheck as ProjectionCheck
     from ._theorem1 import Theorem1Check as Theorem1Check
     from ._theorem1 import Theorem1Constants as Theorem1Constants
+    from ._theorem1 import Theorem1Schedule as Theorem1Schedule
+    from ._theorem1 import Theorem1ScheduleResult as Theorem1ScheduleResult
     from ._theorem1 import fit_bound as fit_bound
     from ._theorem1 import projection_check as projection_check
     from ._theorem1 import theorem1_check as theorem1_check
     from ._theorem1 import theorem1_constants as theorem1_constants
-    from ._theorem1 import Theorem1Schedule as Theorem1Schedule
-    from ._theorem1 import Theorem1ScheduleResult as Theorem1ScheduleResult
     from ._theorem1 import theorem1_schedule as theorem1_schedule
     from ._verify import random_network as random_network
     from ._verify import verify as verify
