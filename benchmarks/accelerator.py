@@ -47,7 +47,9 @@ Also reported: statuses of every scenario (`success` count from `sol.status` aga
 `dl.STATUS["success"]`), device memory (`memory_stats()` peak bytes of device 0 where the
 backend has them, else the process's peak RSS), the `Fast()` sub-steps that `simulate`
 chooses for this batch and tick (`Fast.for_batch`), and metadata. One JSON object goes to
-stdout (and `--out`), a table to stderr. No timing is asserted. Run, e.g.:
+stdout (and `--out`), a Markdown table to stderr; timing, memory, the environment record and
+`--out` come from `_harness.py`, the batch from `_batches.py`. No timing is asserted. Run,
+e.g.:
 
     python benchmarks/accelerator.py                        # on the accelerator
     python benchmarks/accelerator.py --scale 0.001 \\
@@ -57,33 +59,17 @@ stdout (and `--out`), a table to stderr. No timing is asserted. Run, e.g.:
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
-import resource
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-# On a CPU-only machine expose every core as a JAX device (simulate shards the batch over
-# them), as bench_equilibrium.py does; set XLA_FLAGS yourself to override. Only the host
-# platform reads this flag, so it changes nothing on an accelerator.
-if "XLA_FLAGS" not in os.environ and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={os.cpu_count() or 1}"
+import _harness as H
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _batches import appb_batch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import bench_simulate  # noqa: E402
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import dlbfluid as dl  # noqa: E402
+import dlbfluid as dl
 
 dl.enable_x64()
 
@@ -91,30 +77,6 @@ FULL_SCENARIOS = 10_000
 FULL_HORIZON = 600.0
 TICK = 1e-3
 GENERATOR_CELLS = (2, 10)
-
-
-def git_state() -> dict:
-    """The commit of the checkout and whether dlbfluid/ differs from it (uncommitted
-    changes make a result specific to that working tree)."""
-
-    def git(*a):
-        r = subprocess.run(
-            ["git", *a], cwd=HERE.parent, capture_output=True, text=True, timeout=30, check=False
-        )
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    try:
-        return {
-            "commit": git("rev-parse", "HEAD"),
-            "dlbfluid_uncommitted_changes": bool(git("status", "--porcelain", "dlbfluid")),
-        }
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dlbfluid_uncommitted_changes": None}
-
-
-def log(msg: str) -> None:
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
 
 
 def _fraction_or_auto(s: str):
@@ -129,7 +91,10 @@ def _fraction_or_auto(s: str):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        parents=[H.parent_parser(repeats=2, repeats_help="probe calls, best kept")],
+    )
     p.add_argument(
         "--policies",
         default="flow-grad",
@@ -172,7 +137,6 @@ def parse_args(argv=None):
         "--budget-s; default auto, or sqrt(--scale))",
     )
     p.add_argument("--probe-ticks", type=int, default=1000, help="ticks of the steady probe (1000)")
-    p.add_argument("--repeats", type=int, default=2, help="probe calls, best kept (2)")
     p.add_argument("--n-save", type=int, default=10, help="save intervals of every call (10)")
     p.add_argument(
         "--budget-s",
@@ -196,8 +160,7 @@ def parse_args(argv=None):
         help="simulate(layout=...): auto (default: simulate's default_layout, batch-last only"
         " for float32 on a CPU), batch-first or batch-last",
     )
-    p.add_argument("--out", default=None, help="also write the JSON here")
-    a = p.parse_args(argv)
+    a = H.parse(p, argv)
 
     if a.policies.strip() == "all":
         a.policies = list(dl.POLICY_NAMES)
@@ -254,7 +217,6 @@ def parse_args(argv=None):
     if a.horizon_fraction != "auto":
         a.K_chunk = max(a.n_save, round(a.horizon_fraction * K))
         a.K_probe = min(a.K_probe, a.K_chunk)
-    bench_simulate.check_out(p, a.out)
     return a
 
 
@@ -264,32 +226,10 @@ def parse_args(argv=None):
 
 
 def build_batch(n_cells: int | None, B: int, *, seed: int, horizon: float):
-    """`B` App.-B scenarios (`dl.generate`, stream `seed`; profiles over `horizon`), padded
-    to a common shape with `dl.pad_scenario` (10 cells unless `n_cells` is given) and
-    stacked with numpy (`bench_simulate.fast_stack`): equal to `dl.stack_scenarios` (checked
-    on the first scenarios) but seconds instead of minutes for 10,000."""
-    lo, hi = GENERATOR_CELLS if n_cells is None else (n_cells, n_cells)
-    gen = dl.generate(seed, B, min_cells=lo, max_cells=hi)
-    parsed = [
-        dl.scenario_from_dict(d, allow_overload=True)
-        for d in dl.scenario_dicts(gen, horizon=horizon)
-    ]
-    P = max(s.arrival_times.shape[-1] for s in parsed)
-    Q = max(s.replica_times.shape[-1] for s in parsed)
-    laws = tuple(dict.fromkeys(m for s in parsed for m in s.service.laws))
-    est = tuple(dict.fromkeys(m for s in parsed for m in s.estimate.laws))
-    padded = [dl.pad_scenario(s, hi, P, Q, laws=laws, est_laws=est) for s in parsed]
-    batch = bench_simulate.fast_stack(padded)
-    m = min(B, 8)
-    ref = dl.stack_scenarios(parsed[:m], n_cells=hi)
-    got = jax.tree_util.tree_map(lambda a: a[:m], eqx.filter(batch, eqx.is_array))
-    want = eqx.filter(ref, eqx.is_array)
-    same = jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want) and all(
-        x.dtype == y.dtype and x.shape == y.shape and bool(jnp.all(x == y))
-        for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
-    )
-    if not same:
-        raise RuntimeError("the padded fast stack disagrees with dlbfluid.stack_scenarios")
+    """`B` App.-B scenarios (`_batches.appb_batch`: stream `seed`, profiles over `horizon`),
+    padded to 10 cells unless `n_cells` is given; and the histogram of their cell counts."""
+    hi = GENERATOR_CELLS[1] if n_cells is None else n_cells
+    batch = appb_batch(n_cells, B, seed=seed, horizon=horizon, pad_cells=hi)
     cells = np.bincount(np.asarray(batch.cell_mask).sum(axis=1), minlength=hi + 1)
     return batch, {str(k): int(v) for k, v in enumerate(cells) if v}
 
@@ -299,11 +239,8 @@ def build_batch(n_cells: int | None, B: int, *, seed: int, horizon: float):
 # ----------------------------------------------------------------------------------------
 
 
-def call(batch, policy, integ, dtype, ticks, args):
-    """One call of `ticks` ticks: (solution, wall seconds, compile seconds inside it)."""
-    bench_simulate._SPANS.clear()
-    t0 = time.perf_counter()
-    sol = dl.simulate(
+def _simulate(batch, policy, integ, dtype, ticks, args):
+    return lambda: dl.simulate(
         batch,
         policy,
         step_size=args.step_size,
@@ -314,9 +251,12 @@ def call(batch, policy, integ, dtype, ticks, args):
         dtype=dtype,
         layout=None if args.layout == "auto" else args.layout,
     )
-    jax.block_until_ready(sol.N)
-    wall = time.perf_counter() - t0
-    return sol, wall, min(bench_simulate.compile_seconds(), wall)
+
+
+def call(batch, policy, integ, dtype, ticks, args):
+    """One call of `ticks` ticks: (solution, wall seconds, compile seconds inside it)."""
+    c = H.measure(_simulate(batch, policy, integ, dtype, ticks, args))
+    return c.result, c.wall_s, c.compile_s
 
 
 def compile_call(batch, policy, integ, dtype, args):
@@ -328,12 +268,9 @@ def steady(batch, policy, integ, dtype, ticks, args, repeats):
     """Best of `repeats` calls of `ticks` ticks, each net of the compile time spent inside
     it (only a policy whose program depends on the horizon, mnlb, compiles again); the
     last solution; whether any call compiled."""
-    walls, sol, recompiled = [], None, False
-    for _ in range(repeats):
-        sol, w, c = call(batch, policy, integ, dtype, ticks, args)
-        walls.append(w - c)
-        recompiled |= c > 0.05
-    return sol, min(walls), walls, recompiled
+    fn = _simulate(batch, policy, integ, dtype, ticks, args)
+    t = H.timed(fn, repeats, warm_up=False, net_of_compile=True)
+    return t.result, t.wall_s, t.walls_s, t.recompiled
 
 
 def statuses(sol) -> dict:
@@ -344,23 +281,6 @@ def statuses(sol) -> dict:
         "n": int(st.size),
         "counts": {str(k): int(v) for k, v in zip(names, counts)},
     }
-
-
-def memory() -> dict:
-    out = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - a backend without memory statistics
-        stats = None
-    if stats:
-        out["device_peak_bytes"] = stats.get("peak_bytes_in_use")
-        out["device_bytes_in_use"] = stats.get("bytes_in_use")
-        out["device_bytes_limit"] = stats.get("bytes_limit")
-        out["source"] = "jax.devices()[0].memory_stats()"
-    else:
-        out["device_peak_bytes"] = None
-        out["source"] = "host peak RSS (the backend reports no device memory statistics)"
-    return out
 
 
 def _rel(N, Nref, mask, floor):
@@ -440,7 +360,7 @@ def run_policy(policy, batch, integ, dtype, args, t_all, n_left):
     res = {"policy": policy}
     compile_s, first = compile_call(batch, policy, integ, dtype, args)
     res.update(compile_s=compile_s, first_call_s=first)
-    log(f"[{policy}] compile {compile_s:.1f}s (first call {first:.1f}s)")
+    H.log(f"[{policy}] compile {compile_s:.1f}s (first call {first:.1f}s)")
 
     K_probe = args.K_probe
     if args.horizon_fraction == "auto":
@@ -461,7 +381,7 @@ def run_policy(policy, batch, integ, dtype, args, t_all, n_left):
         "recompiled": rec_p,
         "statuses": statuses(sol_p),
     }
-    log(
+    H.log(
         f"[{policy}] probe {K_probe} ticks x {B}: {wall_p:.2f}s, {rate_p:.4g} scenario-ticks/s "
         f"-> full run {full_ticks / rate_p:.4g}s"
     )
@@ -507,7 +427,7 @@ def run_policy(policy, batch, integ, dtype, args, t_all, n_left):
         "statuses": statuses(sol_c),
         "mass_balance_residual": mass_residual(sol_c),
         "arrival_mass_error": arrival_mass_error(sol_c, batch),
-        "memory_after": memory(),
+        "memory_after": H.memory(),
     }
     res["projected_full_run_s"] = projected
     res["projected_full_run_with_compile_s"] = projected + compile_s
@@ -516,11 +436,11 @@ def run_policy(policy, batch, integ, dtype, args, t_all, n_left):
     res["meets_goal_with_compile"] = projected + compile_s <= args.goal_s
     st = res["chunk"]["statuses"]
     am = res["chunk"]["arrival_mass_error"]
-    log(
+    H.log(
         f"[{policy}] arrivals counted vs exact, per save interval (mean rel error): "
         + " ".join(f"{e:+.1e}" for e in am["mean_rel_error_per_interval"])
     )
-    log(
+    H.log(
         f"[{policy}] chunk {K_chunk} ticks ({K_chunk * args.tick:.4g} s simulated) x {B}: "
         f"{wall_c:.2f}s, {rate_c:.4g} scenario-ticks/s; {st['n_success']}/{st['n']} success "
         f"{st['counts']}; projected full run {projected:.4g}s "
@@ -536,7 +456,7 @@ def run_policy(policy, batch, integ, dtype, args, t_all, n_left):
         f["sub_batch_max_abs_diff_vs_chunk_rows"] = (
             float(np.max(np.abs(N32 - np.asarray(sol_c.N[:m])))) if f["ticks"] == K_chunk else None
         )
-        log(
+        H.log(
             f"[{policy}] float64 comparison, {m} scenarios x {f['ticks']} ticks: float32 "
             f"x{f['float32_speedup']:.2f} faster; float32 vs float64: N {f['max_rel_diff_N']:.2e} "
             f"({f['scenarios_over_1e-3']} scenarios over 1e-3), workload integral "
@@ -623,21 +543,19 @@ def mass_residual(sol) -> float:
 
 def main(argv=None):
     args = parse_args(argv)
+    # Every core a CPU device (simulate shards the batch over them), as `dlbfluid experiment`
+    # runs; nothing changes on an accelerator or where XLA_FLAGS already chose.
+    dl.use_cpu_cores()
     t_all = time.perf_counter()
     dtype = jnp.float32 if args.dtype == "float32" else jnp.float64
     meta = {
         "benchmark": "accelerator",
-        "devices": [str(d) for d in jax.devices()],
-        "device_kind": jax.devices()[0].device_kind,
-        "backend": jax.default_backend(),
+        **H.environment("devices", "device_kind", "backend"),
         "dtype": args.dtype,
         "layout": args.layout,
-        "jax_version": jax.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "git": git_state(),
-        "command": " ".join(["benchmarks/accelerator.py"] + sys.argv[1:]) if argv is None else None,
+        **H.environment("jax_version", "python", "cpu_count", "loadavg_start"),
+        "git": H.git_state(),
+        "command": H.command(argv),
         "full_run": {
             "scenarios": args.scenarios,
             "horizon_s": args.horizon,
@@ -666,7 +584,7 @@ def main(argv=None):
         "f64": args.f64,
         "f64_batch_fraction": args.f64_batch_fraction,
     }
-    log(
+    H.log(
         f"devices {meta['devices']} ({meta['device_kind']}), backend {meta['backend']}, "
         f"{args.dtype}; full run {args.scenarios} x {args.horizon:g}s at {args.tick:g}s ticks "
         f"= {args.scenarios * args.K_full:.3g} scenario-ticks; this run: {args.B_run} "
@@ -684,7 +602,7 @@ def main(argv=None):
         meta["fast_for_batch"] = str(integ.for_batch(batch.strip(), args.tick))
     except Exception as e:  # noqa: BLE001 - informational only
         meta["fast_for_batch"] = f"unavailable ({type(e).__name__})"
-    log(
+    H.log(
         f"built {args.B_run} scenarios in {meta['build_s']:.1f}s (cells {cells}); "
         f"{meta['fast_for_batch']}"
     )
@@ -692,8 +610,8 @@ def main(argv=None):
     results = []
     for i, pol in enumerate(args.policies):
         results.append(run_policy(pol, batch, integ, dtype, args, t_all, len(args.policies) - i))
-    meta["memory"] = memory()
-    meta["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    meta["memory"] = H.memory()
+    meta["loadavg_end"] = H.loadavg()
     meta["total_s"] = time.perf_counter() - t_all
     worst = max(results, key=lambda r: r["projected_full_run_s"])
     meta["summary"] = {
@@ -704,50 +622,39 @@ def main(argv=None):
             r["chunk"]["statuses"]["n_success"] == r["chunk"]["statuses"]["n"] for r in results
         ),
     }
-    out = dict(meta, results=results)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    log(fmt_table(out, args))
+    out = H.emit(dict(meta, results=results), args.out, indent=1)
+    H.log(fmt_table(out, args))
     return out
 
 
 def fmt_table(out, args) -> str:
-    hdr = (
-        f"{'policy':>9} {'compile_s':>9} {'probe/s':>9} {'chunk ticks':>11} {'chunk/s':>9} "
-        f"{'full run (s)':>12} {'goal':>5} {'success':>11} {'memory':>10} {'f32/f64':>7} "
-        f"{'f32-f64 N':>9}"
-    )
-    lines = [
-        f"{out['devices']} {args.dtype}: {args.B_run} of {args.scenarios} scenarios; full run "
-        f"{args.scenarios} x {args.K_full} ticks; rates in scenario-ticks/s",
-        hdr,
-        "-" * len(hdr),
-    ]
+    header = ("policy", "compile_s", "probe/s", "chunk ticks", "chunk/s", "full run (s)")
+    header += ("goal", "success", "memory", "f32/f64", "f32-f64 N")
+    rows = []
     for r in out["results"]:
         c, f = r["chunk"], r.get("float64")
         mem = c["memory_after"]
         b = mem["device_peak_bytes"] or mem["host_peak_rss_bytes"]
-        lines.append(
-            f"{r['policy']:>9} {r['compile_s']:>9.1f} {r['probe']['scenario_ticks_per_s']:>9.3g} "
-            f"{c['ticks']:>11} {c['scenario_ticks_per_s']:>9.3g} "
-            f"{r['projected_full_run_s']:>12.4g} {'yes' if r['meets_goal'] else 'no':>5} "
-            f"{c['statuses']['n_success']:>5}/{c['statuses']['n']:<5} {fmt_bytes(b):>10} "
-            + (
-                f"{f['float32_speedup']:>6.2f}x {f['max_rel_diff_N']:>9.1e}"
-                if f
-                else f"{'-':>7} {'-':>9}"
-            )
-        )
+        rows.append((
+            r["policy"], f"{r['compile_s']:.1f}", f"{r['probe']['scenario_ticks_per_s']:.3g}",
+            c["ticks"], f"{c['scenario_ticks_per_s']:.3g}", f"{r['projected_full_run_s']:.4g}",
+            "yes" if r["meets_goal"] else "no",
+            f"{c['statuses']['n_success']}/{c['statuses']['n']}", fmt_bytes(b),
+            f"{f['float32_speedup']:.2f}x" if f else "-", f"{f['max_rel_diff_N']:.1e}" if f else "-",
+        ))  # fmt: skip
     s = out["summary"]
-    lines.append(
-        f"projected full run ({s['slowest_policy']}, slowest): {s['projected_full_run_s']:.4g}s "
-        f"(+ compile), goal {args.goal_s:g}s: {'met' if s['meets_goal'] else 'NOT met'}"
-        + ("" if out["backend"] != "cpu" else " (a CPU: the goal is for one H200)")
-        + f"; total {out['total_s']:.0f}s"
+    return "\n".join(
+        [
+            f"{out['devices']} {args.dtype}: {args.B_run} of {args.scenarios} scenarios; full "
+            f"run {args.scenarios} x {args.K_full} ticks; rates in scenario-ticks/s",
+            H.markdown_table(header, rows),
+            f"projected full run ({s['slowest_policy']}, slowest): "
+            f"{s['projected_full_run_s']:.4g}s (+ compile), goal {args.goal_s:g}s: "
+            + ("met" if s["meets_goal"] else "NOT met")
+            + ("" if out["backend"] != "cpu" else " (a CPU: the goal is for one H200)")
+            + f"; total {out['total_s']:.0f}s",
+        ]
     )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

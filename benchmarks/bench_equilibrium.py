@@ -13,28 +13,20 @@ construction included, as a user would run it), with the closed-form M/M/1 poten
 theory/equilibria.md §1.2; its throughput is extrapolated per problem. The JSON states this.
 
 Run: `python benchmarks/bench_equilibrium.py [--batch 1000] [--n-cells 10] [--out FILE]`.
-Prints one JSON object on stdout and a small table on stderr.
+Prints one JSON object on stdout and a Markdown table on stderr (timing, table and `--out`
+by `_harness.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
-# On a CPU-only machine, expose every core as a JAX device so that the batch is sharded
-# over them (solve_equilibrium shards the batch axis whenever several devices exist).
-# Set XLA_FLAGS yourself to override.
-if "XLA_FLAGS" not in os.environ and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={os.cpu_count() or 1}"
+import _harness as H
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+H.add_tests_to_path()
 from cvxpy_reference import cvxpy_solve  # noqa: E402
 
 import dlbfluid as dl  # noqa: E402
@@ -96,7 +88,10 @@ def make_batch(rng, B: int, n: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        parents=[H.parent_parser(repeats=5, repeats_help="timed JAX repeats, best kept")],
+    )
     ap.add_argument("--batch", type=int, default=1000, help="networks in the batch (1000)")
     ap.add_argument("--n-cells", type=int, default=10, help="cells per network (10)")
     ap.add_argument(
@@ -105,14 +100,15 @@ def main(argv=None) -> int:
         default=50,
         help="all-M/M/1 networks timed with cvxpy, per cost (50)",
     )
-    ap.add_argument("--repeats", type=int, default=5, help="timed JAX repeats, best kept (5)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="also write the JSON record to this file")
-    args = ap.parse_args(argv)
+    args = H.parse(ap, argv)
     if args.batch < 2 or args.n_cells < 2:
         ap.error("--batch and --n-cells must be at least 2")
+    # Every core a CPU device: solve_equilibrium shards the batch over this process's
+    # devices (nothing changes where XLA_FLAGS already chose, or on an accelerator).
+    dl.use_cpu_cores()
 
-    load_before = os.getloadavg()
+    load_before = H.loadavg()
     rng = np.random.default_rng(args.seed)
     t = time.perf_counter()
     dicts, batch = make_batch(rng, args.batch, args.n_cells)
@@ -122,18 +118,8 @@ def main(argv=None) -> int:
     cvxpy_solve(dicts[subset[0]], "gradient")  # cvxpy's first call pays for its imports
     per_cost = {}
     for cost in COSTS:
-        t = time.perf_counter()
-        sol = solve_equilibrium(batch, cost, check=False)
-        jax.block_until_ready(sol.x)
-        first = time.perf_counter() - t
-        walls, cpus = [], []
-        for _ in range(args.repeats):
-            t, c = time.perf_counter(), time.process_time()
-            sol = solve_equilibrium(batch, cost, check=False)
-            jax.block_until_ready(sol.x)
-            walls.append(time.perf_counter() - t)
-            cpus.append(time.process_time() - c)
-        wall = min(walls)
+        timing = H.timed(lambda: solve_equilibrium(batch, cost, check=False), args.repeats)
+        sol, wall, cpus = timing.result, timing.wall_s, timing.cpus_s
         kkt = np.asarray(sol.kkt_residual)
         status = np.asarray(sol.status)
         N_jax = np.asarray(sol.N)
@@ -147,7 +133,7 @@ def main(argv=None) -> int:
         cvx_wall = time.perf_counter() - t
         cvx_cpu = time.process_time() - c
         per_cost[cost] = {
-            "compile_s": max(first - wall, 0.0),
+            "compile_s": timing.first_minus_best_s,
             "jax_wall_s": wall,
             "jax_problems_per_s": args.batch / wall,
             "jax_worst_kkt": float(kkt.max()),
@@ -161,14 +147,14 @@ def main(argv=None) -> int:
             "max_abs_N_diff_vs_cvxpy": float(max(diffs)),
             "max_rel_N_diff_vs_cvxpy": float(max(rel)),
         }
-        print(f"{cost}: done", file=sys.stderr, flush=True)
+        H.log(f"{cost}: done")
 
     jax_wall = sum(r["jax_wall_s"] for r in per_cost.values())
     cvx_wall = sum(r["cvxpy_wall_s"] for r in per_cost.values())
     jax_rate = len(COSTS) * args.batch / jax_wall
     cvx_rate = len(COSTS) * len(subset) / cvx_wall
     out = {
-        "devices": [str(d) for d in jax.devices()],
+        **H.environment("devices"),
         "dtype": "float64",
         "batch": args.batch,
         "n_cells": args.n_cells,
@@ -204,13 +190,12 @@ def main(argv=None) -> int:
         ),
         "per_cost": per_cost,
         "generation_s": gen_s,
-        "load_average_before_after": [load_before[0], os.getloadavg()[0]],
-        "cpu_count": os.cpu_count(),
+        "load_average_before_after": [(load_before or [None])[0], (H.loadavg() or [None])[0]],
+        **H.environment("cpu_count"),
     }
-    print(json.dumps(out))
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    rows = [("cost", "jax/s", "cvxpy/s", "speedup", "worst KKT", "failed", "max|dN|")]
+    H.emit(out, args.out, indent=None, out_indent=1)
+    header = ("cost", "jax/s", "cvxpy/s", "speedup", "worst KKT", "failed", "max abs dN")
+    rows = []
     for c, r in per_cost.items():
         rows.append(
             (
@@ -223,9 +208,7 @@ def main(argv=None) -> int:
                 f"{r['max_abs_N_diff_vs_cvxpy']:.1e}",
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(v.rjust(w) for v, w in zip(r, widths)), file=sys.stderr)
+    H.log(H.markdown_table(header, rows))
     return 0
 
 

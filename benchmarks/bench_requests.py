@@ -22,7 +22,8 @@ the same weights, a delay each way, processor-sharing cells completing at
 $\\mu_j(N)$ (a table of the scenario's own `ServiceModel.rate`), buffers that reject. It runs
 the first `--peer-scenarios` scenarios; `speedup` = ours / peer in requests per second.
 
-One JSON object goes to stdout. Run, e.g.:
+One JSON object goes to stdout (and to `--out`); timing and the record by `_harness.py`.
+Run, e.g.:
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_requests.py --batches 1 10 --horizon 2
     PYTHONUNBUFFERED=1 python benchmarks/bench_requests.py             # 1, 100, 1000
@@ -31,11 +32,10 @@ One JSON object goes to stdout. Run, e.g.:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import sys
 import time
 
+import _harness as H
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,42 +110,11 @@ def simpy_scenario(scn, x, table, horizon: float, seed: int) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
-_SPANS: list[tuple[float, float]] = []
-
-
-def _record_span(name, start, end, **_):
-    if name.startswith("/jax/core/compile/"):
-        _SPANS.append((start, end))
-
-
-jax.monitoring.register_event_time_span_listener(_record_span)
-
-
-def _covered(spans) -> float:
-    """Length of the union of the intervals `spans`."""
-    total, hi = 0.0, -float("inf")
-    for s, e in sorted(spans):
-        if e > hi:
-            total += e - max(s, hi)
-            hi = e
-    return total
-
-
 def ours(scns, policy, horizon, dtype, repeats):
     batch = dlbfluid.stack_scenarios(scns)
     kw = dict(horizon=horizon, n_save=10, dtype=dtype, trials=1)
-    _SPANS.clear()
-    t0 = time.perf_counter()
-    sol = simulate_requests(batch, policy, **kw)
-    jax.block_until_ready(sol.count)
-    first = time.perf_counter() - t0
-    compile_s = _covered(_SPANS)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        sol = simulate_requests(batch, policy, **kw)
-        jax.block_until_ready(sol.count)
-        best = min(best, time.perf_counter() - t0)
+    t = H.timed(lambda: simulate_requests(batch, policy, **kw), repeats)
+    sol, first, compile_s, best = t.result, t.first_call_s, t.compile_s, t.wall_s
     arrivals = int(np.sum(np.asarray(sol.arrivals)))
     events = int(np.sum(np.asarray(sol.events)))
     names, freq = np.unique(sol.status_names(), return_counts=True)
@@ -161,15 +130,16 @@ def ours(scns, policy, horizon, dtype, repeats):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], parents=[H.parent_parser(repeats=2)]
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 100, 1000])
     ap.add_argument("--horizon", type=float, default=2.0)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     ap.add_argument("--policy", default="rand")
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--peer-scenarios", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    args = H.parse(ap, argv)
     jax.config.update("jax_enable_x64", True)  # the generator and the float64 rows need it
 
     pool = scenarios(max(args.batches), args.horizon, args.seed)
@@ -179,10 +149,9 @@ def main(argv=None):
             r = ours(pool[:B], args.policy, args.horizon, jnp.dtype(dt), args.repeats)
             r.update(batch=B, dtype=dt)
             rows.append(r)
-            print(
+            H.log(
                 f"batch {B:5d} {dt}: {r['requests_per_s']:.3g} requests/s, "
-                f"compile {r['compile_s']:.1f} s",
-                file=sys.stderr,
+                f"compile {r['compile_s']:.1f} s"
             )
 
     peer_req = peer_wall = 0.0
@@ -207,7 +176,7 @@ def main(argv=None):
         "rows": rows,
         "peer_simpy": peer,
     }
-    print(json.dumps(out, indent=2))
+    H.emit(out, args.out)
 
 
 if __name__ == "__main__":

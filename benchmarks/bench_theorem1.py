@@ -2,6 +2,7 @@
 --ladder none`, each against today's per-scenario loop in the same run.
 
     python benchmarks/bench_theorem1.py [--critical 1000] [--verify 200] [--chunk 100]
+        [--out FILE]
 
 1. **Critical step sizes** of `--critical` random networks of `dlbfluid verify` (2-6
    cells, flow-grad, equilibria solved once, batched): *before*,
@@ -16,17 +17,17 @@
    (equilibria, batched critical steps, simulations, Theorem-1 checks and projection checks). Both after a warm-up
    chunk that compiles their programs.
 
-Prints one JSON object on stdout, a summary on stderr.
+Prints one JSON object on stdout (and to `--out`, by `_harness.py`), a summary on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 
+import _harness as H
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,11 +76,7 @@ def bench_critical(n: int, chunk: int) -> dict:
     chunks[-1] = chunks[-1] + chunks[-1][-1:] * (chunk - len(chunks[-1]))
     batches = [stack_scenarios(c, n_cells=CELLS[1]) for c in chunks]
     eqs = [solve_equilibrium(b, "gradient", throw=False, check=False) for b in batches]
-    t0 = time.perf_counter()
-    jax.block_until_ready(
-        batch_critical_step_size(batches[0], "flow-grad", eqs[0]).critical_step_size
-    )
-    warm = time.perf_counter() - t0
+    warm = H.measure(lambda: batch_critical_step_size(batches[0], "flow-grad", eqs[0])).wall_s
     t0 = time.perf_counter()
     after = []
     status = []
@@ -149,9 +146,7 @@ def _old_chunk(scns, chunk, horizon, tick):
 
 def bench_verify(n: int, chunk: int, horizon: float, tick: float) -> dict:
     kw = dict(chunk=chunk, n_cells=CELLS, horizon=horizon, tick=tick, ladder="none")
-    t0 = time.perf_counter()
-    verify(chunk, 12345, **kw)  # warm-up: compiles at this chunk shape
-    warm_after = time.perf_counter() - t0
+    warm_after = H.measure(lambda: verify(chunk, 12345, **kw)).wall_s  # compiles this shape
     t0 = time.perf_counter()
     res = verify(n, 1, **kw)
     t_after = time.perf_counter() - t0
@@ -180,37 +175,38 @@ def bench_verify(n: int, chunk: int, horizon: float, tick: float) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+        parents=[H.parent_parser()],
+    )
     p.add_argument("--critical", type=int, default=1000, help="scenarios of part 1 (0: skip)")
     p.add_argument("--verify", type=int, default=200, help="scenarios of part 2 (0: skip)")
     p.add_argument("--chunk", type=int, default=100)
     p.add_argument("--horizon", type=float, default=100.0)
     p.add_argument("--tick", type=float, default=0.05)
-    args = p.parse_args(argv)
+    args = H.parse(p, argv)
     out = {
         "benchmark": "theorem1",
-        "devices": [str(d) for d in jax.devices()],
-        "backend": jax.default_backend(),
+        **H.environment("devices", "backend"),
         "dtype": "float64",
     }
     if args.critical:
         out["critical_step_sizes"] = r = bench_critical(args.critical, args.chunk)
-        print(
+        H.log(
             f"critical step sizes of {r['scenarios']}: loop {r['before_s']:.1f} s, batched "
-            f"{r['after_s']:.2f} s ({r['speedup']:.1f}x), max rel diff {r['max_rel_diff']:.2g}",
-            file=sys.stderr,
+            f"{r['after_s']:.2f} s ({r['speedup']:.1f}x), max rel diff {r['max_rel_diff']:.2g}"
         )
     if args.verify:
         out["verify_ladder_none"] = r = bench_verify(
             args.verify, args.chunk, args.horizon, args.tick
         )
-        print(
+        H.log(
             f"verify --ladder none, {r['scenarios']} scenarios: before "
             f"{r['before_scenarios_per_s']:.2f}/s, after {r['after_scenarios_per_s']:.2f}/s "
-            f"({r['speedup']:.1f}x)",
-            file=sys.stderr,
+            f"({r['speedup']:.1f}x)"
         )
-    print(json.dumps(out))
+    H.emit(out, args.out, indent=None)
     return 0
 
 

@@ -7,8 +7,9 @@ One chunk of `verify`'s random scenarios (2-6 cells, padded to 6), one flow poli
 order `verify` runs them: the equilibria, the batched critical steps, the simulation saved at
 every tick and the projection check (what `verify --ladder none` did before the explicit
 bound), then the explicit constants (`batch_theorem1_constants`), the start terms and the
-Theorem-1 check (`batch_theorem1_check`). Every piece is compiled first (its compile time
-reported apart), then timed `--repeats` times (best of), `block_until_ready` on its outputs.
+Theorem-1 check (`batch_theorem1_check`). Every piece is compiled first (its compile time,
+the first call's excess over the best, reported apart), then timed `--repeats` times (best
+of), `block_until_ready` on its outputs (`_harness.timed`).
 Prints JSON: seconds per piece, the verify part before (`baseline_s`), the added part
 (`added_s`) and their ratio (`added_fraction`).
 """
@@ -16,10 +17,8 @@ Prints JSON: seconds per piece, the verify part before (`baseline_s`), the added
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
-import jax
+import _harness as H
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,35 +37,18 @@ from dlbfluid._theorem1 import (
 from dlbfluid._verify import draw_scenario
 
 
-def _ready(tree):
-    jax.tree_util.tree_map(
-        lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, tree
-    )
-    return tree
-
-
-def _timed(fn, repeats):
-    t0 = time.perf_counter()
-    out = _ready(fn())
-    first = time.perf_counter() - t0
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        _ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return out, best, max(first - best, 0.0)
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+        parents=[H.parent_parser(repeats=3)],
+    )
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--horizon", type=float, default=200.0)
     p.add_argument("--tick", type=float, default=0.005)
     p.add_argument("--policy", default="flow-grad")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    args = H.parse(p, argv)
     dl.enable_x64()
     cost = policy_from_name(args.policy).cost.name
     scns = [
@@ -80,9 +62,9 @@ def main(argv=None) -> int:
     times, compile_s = {}, {}
 
     def run(name, fn):
-        out, t, c = _timed(fn, args.repeats)
-        times[name], compile_s[name] = t, c
-        return out
+        t = H.timed(fn, args.repeats)
+        times[name], compile_s[name] = t.wall_s, t.first_minus_best_s
+        return t.result
 
     eq = run("equilibria", lambda: solve_equilibrium(batch, cost, throw=False, check=False))
     crit = run("critical_steps", lambda: batch_critical_step_size(batch, args.policy, eq))
@@ -103,7 +85,7 @@ def main(argv=None) -> int:
     added = sum(times[k] for k in ("constants", "start_terms", "theorem1_check"))
     out = {
         "benchmark": "theorem1_bound",
-        "devices": [str(d) for d in jax.devices()],
+        **H.environment("devices"),
         "policy": args.policy,
         "chunk": B,
         "horizon": args.horizon,
@@ -115,11 +97,7 @@ def main(argv=None) -> int:
         "added_s": added,
         "added_fraction": added / base,
     }
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    H.emit(out, args.out)
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_worst_case.py [--scenarios 100] [--starts 16 32 64]
         [--horizon 300] [--tick 0.05] [--rungs-below 4] [--rungs-above 2] [--policy flow-grad]
+        [--out FILE]
 
 Random networks of `dlbfluid verify` (`draw_scenario(seed, i)`, 2-6 cells, padded to 6),
 their equilibria and batched critical steps eta* (not timed), then for each starts count
@@ -20,7 +21,8 @@ compared with the simulator it is built from.
 
 Prints one JSON object on stdout (the pair; per starts count: runs, run-ticks, compile and run
 seconds, microseconds per run-tick; and the search's outcome at the largest count:
-bistable fraction, eta_g/eta* quantiles, Hopf directions), a summary on stderr.
+bistable fraction, eta_g/eta* quantiles, Hopf directions; also to `--out`), a summary on
+stderr. Timing and the record by `_harness.py`.
 """
 
 from __future__ import annotations
@@ -28,20 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 
+import _harness as H
+import jax
+import numpy as np
+
 import dlbfluid as dl
+from dlbfluid._global_threshold import WorstCaseSearch, global_threshold
+from dlbfluid._verify import draw_scenario
 
 dl.use_cpu_cores()
-
-import jax  # noqa: E402
-
-jax.config.update("jax_enable_x64", True)  # float64, whether or not the import enables it
-import numpy as np  # noqa: E402
-
-from dlbfluid._global_threshold import WorstCaseSearch, global_threshold  # noqa: E402
-from dlbfluid._verify import draw_scenario  # noqa: E402
+dl.enable_x64()
 
 
 def _batch(seed: int, count: int):
@@ -104,23 +104,20 @@ def _peer(batch, args, eta_star, S: int, rungs: int, K: int) -> dict:
     )
     step = ladder.reshape(-1, 1)
     kw = dict(step_size=step, tick=args.tick, n_save=4)
-    t0 = time.perf_counter()
-    dl.simulate(flat, args.policy, horizon=20 * args.tick, **kw).N.block_until_ready()
-    t1 = time.perf_counter()
-    dl.simulate(flat, args.policy, horizon=args.horizon, **kw).N.block_until_ready()
-    t2 = time.perf_counter()
+    warm = H.measure(lambda: dl.simulate(flat, args.policy, horizon=20 * args.tick, **kw))
+    run = H.measure(lambda: dl.simulate(flat, args.policy, horizon=args.horizon, **kw))
     runs = reps * B
     return {
         "starts": S,
         "runs": runs,
-        "compile_s": round(t1 - t0, 2),
-        "run_s": round(t2 - t1, 2),
-        "us_per_run_tick": round(1e6 * (t2 - t1) / (runs * K), 4),
+        "compile_s": round(warm.wall_s, 2),
+        "run_s": round(run.wall_s, 2),
+        "us_per_run_tick": round(1e6 * run.wall_s / (runs * K), 4),
     }
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[H.parent_parser()])
     ap.add_argument("--scenarios", type=int, default=100)
     ap.add_argument("--starts", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--horizon", type=float, default=300.0)
@@ -130,9 +127,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--policy", default="flow-grad")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pair-starts", type=int, default=16)
-    args = ap.parse_args(argv)
+    args = H.parse(ap, argv)
     pair = _pair(args.pair_starts)
-    print(json.dumps({"pair": pair}), file=sys.stderr)
+    H.log(json.dumps({"pair": pair}))
 
     batch = _batch(args.seed, args.scenarios)
     cost = dl.policy_from_name(args.policy).cost
@@ -160,25 +157,23 @@ def main(argv=None) -> dict:
             horizon=20 * args.tick,
             tick=args.tick,
         )
-        t0 = time.perf_counter()
-        global_threshold(batch, args.policy, eq, eta_star, config=warm)
-        t1 = time.perf_counter()
-        out = global_threshold(batch, args.policy, eq, eta_star, config=cfg)
-        t2 = time.perf_counter()
+        w = H.measure(lambda: global_threshold(batch, args.policy, eq, eta_star, config=warm))
+        c = H.measure(lambda: global_threshold(batch, args.policy, eq, eta_star, config=cfg))
+        out = c.result
         n_runs = rungs * S * args.scenarios
         row = {
             "starts": S,
             "runs": n_runs,
             "run_ticks": n_runs * K,
-            "compile_s": round(t1 - t0, 2),
-            "run_s": round(t2 - t1, 2),
-            "us_per_run_tick": round(1e6 * (t2 - t1) / (n_runs * K), 4),
+            "compile_s": round(w.wall_s, 2),
+            "run_s": round(c.wall_s, 2),
+            "us_per_run_tick": round(1e6 * c.wall_s / (n_runs * K), 4),
         }
         runs.append(row)
-        print(json.dumps(row), file=sys.stderr)
+        H.log(json.dumps(row))
 
     peer = _peer(batch, args, eta_star, args.starts[0], rungs, K)
-    print(json.dumps({"peer": peer}), file=sys.stderr)
+    H.log(json.dumps({"peer": peer}))
 
     assert out is not None
     usable = np.isfinite(eta_star) & (eta_star > 0)
@@ -224,8 +219,7 @@ def main(argv=None) -> dict:
             "hopf": {k: hopf.count(k) for k in ("subcritical", "supercritical", None)},
         },
     }
-    print(json.dumps(result, indent=1, default=lambda v: None if v is None else str(v)))
-    return result
+    return H.emit(result, args.out, indent=1, default=lambda v: None if v is None else str(v))
 
 
 if __name__ == "__main__":

@@ -9,14 +9,14 @@ without the command line's cache still gets the same cache directory through
 
     python benchmarks/cli_latency.py [--tree DIR] [--repeats 2] [--out FILE]
 
-Prints one JSON object: per command, wall seconds cold and warm (best of `--repeats`
-warm runs), the CPU seconds of the child, and whether JAX was imported by `--help`.
+Prints one JSON object (and writes it to `--out`): per command, wall seconds cold and warm
+(best of `--repeats` warm runs), the CPU seconds of the child, and whether JAX was imported
+by `--help`; a Markdown table on stderr (`_harness.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import subprocess
@@ -25,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import _harness as H
+
+ROOT = H.ROOT
 COMMANDS = {
     "help": ["--help"],
     "simulate": ["simulate", "default", "--json"],
@@ -51,15 +53,12 @@ def _time(tree: Path, argv: list[str], cache: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        parents=[H.parent_parser(repeats=2, repeats_help="warm runs per command (best kept)")],
+    )
     p.add_argument("--tree", default=str(ROOT), help="checkout whose code runs (default this)")
-    p.add_argument("--repeats", type=int, default=2, help="warm runs per command (best kept)")
-    p.add_argument("--out", help="also write the JSON here")
-    a = p.parse_args(argv)
-    if a.repeats < 1:
-        p.error(f"--repeats = {a.repeats} is invalid: expected an integer >= 1")
-    if a.out and Path(a.out).is_dir():
-        p.error(f"--out = {a.out!r} is invalid: it is a directory; expected a file")
+    a = H.parse(p, argv)
     tree = Path(a.tree).resolve()
     env = dict(os.environ, PYTHONPATH=str(tree))
     probe = "import sys; from dlbfluid._cli import build_parser; build_parser(); print('jax' in sys.modules)"
@@ -71,9 +70,9 @@ def main(argv=None) -> int:
     )
     res: dict = {
         "tree": str(tree),
-        "cpus": os.cpu_count(),
+        "cpus": H.environment("cpu_count")["cpu_count"],
         "help_imports_jax": jax_at_help,
-        "load_average": os.getloadavg()[0],
+        "load_average": (H.loadavg() or [None])[0],
         "commands": {},
     }
     with tempfile.TemporaryDirectory() as cache:
@@ -82,15 +81,17 @@ def main(argv=None) -> int:
             warm = [_time(tree, args, cache) for _ in range(a.repeats)]
             best = min(warm, key=lambda r: r["wall_s"])
             res["commands"][name] = {"cold": cold, "warm": best}
-            print(
-                f"{name}: cold {cold['wall_s']:.2f} s, warm {best['wall_s']:.2f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+            H.log(f"{name}: cold {cold['wall_s']:.2f} s, warm {best['wall_s']:.2f} s")
+    H.emit(res, a.out)
+    rows = [
+        (name, r["cold"]["wall_s"], r["cold"]["cpu_s"], r["warm"]["wall_s"], r["warm"]["cpu_s"])
+        for name, r in res["commands"].items()
+    ]
+    H.log(
+        H.markdown_table(
+            ("command", "cold wall s", "cold cpu s", "warm wall s", "warm cpu s"), rows
+        )
+    )
     return 0
 
 

@@ -5,10 +5,11 @@ Each variant runs in a fresh subprocess (compiler options are fixed when a solve
 compiled): the simulator on App.-B scenarios (`flow-grad`, `Fast()`, tick 5 ms, 400 ticks)
 at 5 and 10 cells, batch 100 and 1000, float64 and float32, and the equilibrium solver
 (`gradient`) on a batch of App.-B networks. Per case: compile seconds (first call minus a
-steady call), the best steady wall of `--repeats`, and the largest difference in N between
-the two variants (0.0: the same to the last bit).
+steady call, `_harness.timed`), the best steady wall of `--repeats`, and the largest
+difference in N between the two variants (0.0: the same to the last bit).
 
     python benchmarks/compile_options.py [--repeats 3] [--out FILE]
+        [--cases 5:100,5:1000,10:100,10:1000] [--eq-batch 200]
 
 Prints one JSON object: `variants.{package,xla_default}.cases[]` and `ratios[]` (package /
 xla_default, per case: compile and steady wall). The package's choice applies the option
@@ -23,20 +24,31 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import _harness as H
+
+ROOT = H.ROOT
 CASES = [(5, 100), (5, 1000), (10, 100), (10, 1000)]
 EQ_BATCH = 200
 
 
-def _child(variant: str, repeats: int, out: str) -> None:
+def _cases(text: str) -> list[tuple[int, int]]:
+    try:
+        cases = [tuple(int(v) for v in c.split(":")) for c in text.split(",") if c.strip()]
+    except ValueError:
+        cases = []
+    if not cases or any(len(c) != 2 or not 2 <= c[0] <= 10 or c[1] < 1 for c in cases):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid: expected a comma list of CELLS:BATCH, cells 2..10, batch >= 1"
+        )
+    return cases  # type: ignore[return-value]
+
+
+def _child(variant: str, repeats: int, out: str, sim_cases, eq_batch: int) -> None:
     import jax
     import numpy as np
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_simulate import appb_batch
+    from _batches import appb_batch
 
     import dlbfluid as dl
     from dlbfluid import _devices
@@ -49,17 +61,10 @@ def _child(variant: str, repeats: int, out: str) -> None:
     cases, arrays = [], {}
 
     def timed(f):
-        t = time.perf_counter()
-        r = jax.block_until_ready(f())
-        first = time.perf_counter() - t
-        walls = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            r = jax.block_until_ready(f())
-            walls.append(time.perf_counter() - t)
-        return r, first - min(walls), min(walls)
+        t = H.timed(f, repeats)
+        return t.result, t.first_minus_best_s, t.wall_s
 
-    for n, B in CASES:
+    for n, B in sim_cases:
         base = appb_batch(n, B, horizon=2.0)
         for dtype in ("float64", "float32"):
             sol, comp, wall = timed(
@@ -78,11 +83,11 @@ def _child(variant: str, repeats: int, out: str) -> None:
             key = f"simulate-{n}-{B}-{dtype}"
             arrays[key] = np.asarray(sol)
             cases.append({"case": key, "compile_s": round(comp, 3), "wall_s": round(wall, 4)})
-    eqb = appb_batch(None, EQ_BATCH, horizon=1.0)
+    eqb = appb_batch(None, eq_batch, horizon=1.0)
     sol, comp, wall = timed(lambda: solve_equilibrium(eqb, "gradient").N)
-    arrays[f"equilibrium-{EQ_BATCH}"] = np.asarray(sol)
+    arrays[f"equilibrium-{eq_batch}"] = np.asarray(sol)
     cases.append(
-        {"case": f"equilibrium-{EQ_BATCH}", "compile_s": round(comp, 3), "wall_s": round(wall, 4)}
+        {"case": f"equilibrium-{eq_batch}", "compile_s": round(comp, 3), "wall_s": round(wall, 4)}
     )
     np.savez(out, **arrays)
     print(
@@ -97,31 +102,48 @@ def _child(variant: str, repeats: int, out: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3, help="steady calls per case (best kept)")
-    p.add_argument("--out", help="also write the JSON here")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        parents=[H.parent_parser(repeats=3, repeats_help="steady calls per case (best kept)")],
+    )
+    p.add_argument(
+        "--cases",
+        type=_cases,
+        default=CASES,
+        help="simulator cases as CELLS:BATCH (default 5:100,5:1000,10:100,10:1000)",
+    )
+    p.add_argument("--eq-batch", type=int, default=EQ_BATCH, help="equilibrium batch (200)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.repeats < 1:
-        p.error(f"--repeats = {a.repeats} is invalid: expected an integer >= 1")
+    a = H.parse(p, argv)
+    if a.eq_batch < 1:
+        p.error(f"--eq-batch {a.eq_batch}: is invalid: expected an integer >= 1")
     if a.child:
-        _child(a.child[0], a.repeats, a.child[1])
+        _child(a.child[0], a.repeats, a.child[1], a.cases, a.eq_batch)
         return 0
-    if a.out and not Path(a.out).parent.exists():
-        p.error(f"--out = {a.out!r} is invalid: its directory does not exist")
     import numpy as np
 
     record = {
         "benchmark": "compile_options",
-        "cpu_count": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
+        **H.environment("cpu_count", "loadavg_start"),
         "variants": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("package", "xla_default"):
             npz = str(Path(tmp) / f"{variant}.npz")
             r = subprocess.run(
-                [sys.executable, __file__, "--repeats", str(a.repeats), "--child", variant, npz],
+                [
+                    sys.executable,
+                    __file__,
+                    "--repeats",
+                    str(a.repeats),
+                    "--child",
+                    variant,
+                    npz,
+                    "--cases",
+                    ",".join(f"{n}:{B}" for n, B in a.cases),
+                    "--eq-batch",
+                    str(a.eq_batch),
+                ],  # fmt: skip
                 capture_output=True,
                 text=True,
                 cwd=ROOT,
@@ -143,11 +165,13 @@ def main(argv=None) -> int:
             record["variants"]["package"]["cases"], record["variants"]["xla_default"]["cases"]
         )
     ]
-    record["loadavg_end"] = os.getloadavg()
-    text = json.dumps(record, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    record["loadavg_end"] = H.loadavg()
+    H.emit(record, a.out)
+    header = ("case", "compile ratio", "wall ratio", "max abs dN")
+    rows = [
+        (r["case"], r["compile"], r["wall"], f"{r['max_abs_diff_N']:.1e}") for r in record["ratios"]
+    ]
+    H.log("package / xla_default:\n" + H.markdown_table(header, rows))
     return 0
 
 

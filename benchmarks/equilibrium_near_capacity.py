@@ -7,35 +7,33 @@ number of scenarios whose status is not `success`, their loads and KKT residuals
 worst KKT residual and the iteration counts.
 
 Run: `python benchmarks/equilibrium_near_capacity.py [--batch 500] [--load-min 0.97]
-[--load-max 0.999] [--seed 7]`.
+[--load-max 0.999] [--seed 7] [--out FILE]` (`--out` and the record by `_harness.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
+import _harness as H
 import numpy as np
+from bench_equilibrium import random_network
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_equilibrium import random_network  # noqa: E402
-
-import dlbfluid as dl  # noqa: E402
-from dlbfluid._equilibrium import solve_equilibrium  # noqa: E402
+import dlbfluid as dl
+from dlbfluid._equilibrium import solve_equilibrium
 
 dl.enable_x64()
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[H.parent_parser()])
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--n-cells", type=int, default=10)
     ap.add_argument("--load-min", type=float, default=0.97)
     ap.add_argument("--load-max", type=float, default=0.999)
     ap.add_argument("--seed", type=int, default=7)
-    args = ap.parse_args(argv)
+    args = H.parse(ap, argv)
+    dl.use_cpu_cores()  # every core a CPU device, as bench_equilibrium.py runs
     if not 0.0 < args.load_min <= args.load_max < 1.0:
         ap.error("need 0 < --load-min <= --load-max < 1")
     rng = np.random.default_rng(args.seed)
@@ -72,8 +70,8 @@ def main(argv=None) -> int:
             "max_iterations": int(it.max()),
             "mean_iterations": float(it.mean()),
         }
-        print(f"{cost}: {bad.size} not converged", file=sys.stderr, flush=True)
-    print(json.dumps(out))
+        H.log(f"{cost}: {bad.size} not converged")
+    H.emit(out, args.out, indent=None)
     return 0
 
 

@@ -32,7 +32,8 @@ Targets of issue #11, reported against and never asserted: Fast float64 error <=
 relative over 10 s; float32 error <= 1e-3 relative and float32 throughput >= 1.7x float64
 (flow-grad, 10 cells, batch 1000).
 
-One JSON object goes to stdout (and to `--out`), a table to stderr:
+One JSON object goes to stdout (and to `--out`), a Markdown table to stderr (both through
+`_harness.py`, as the timing):
 
     PYTHONUNBUFFERED=1 python benchmarks/float32_accuracy.py \\
         --out benchmarks/results/float32_accuracy_cpu.json
@@ -43,28 +44,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
-# On a CPU-only machine expose every core as a JAX device (simulate shards the batch over
-# them), as bench_equilibrium.py does; set XLA_FLAGS yourself to override.
-if "XLA_FLAGS" not in os.environ and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={os.cpu_count() or 1}"
+import _harness as H
+import accelerator
+import jax.numpy as jnp
+import numpy as np
+from _batches import appb_batch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import accelerator  # noqa: E402
-import bench_simulate  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import dlbfluid as dl  # noqa: E402
+import dlbfluid as dl
 
 dl.enable_x64()
 
@@ -76,13 +65,10 @@ TARGETS = {
 }
 
 
-def log(msg: str) -> None:
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], parents=[H.parent_parser(repeats=2)]
+    )
     p.add_argument(
         "--policies",
         default="all",
@@ -104,7 +90,6 @@ def parse_args(argv=None):
     )
     p.add_argument("--tp-batch", type=int, default=200, help="throughput batch (200)")
     p.add_argument("--tp-ticks", type=int, default=400, help="throughput ticks (400)")
-    p.add_argument("--repeats", type=int, default=2, help="steady calls, best kept (2)")
     p.add_argument(
         "--target-batch",
         type=int,
@@ -112,14 +97,13 @@ def parse_args(argv=None):
         help="also time flow-grad at this batch (the issue's target); 0 skips (1000)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument(
         "--append",
         action="store_true",
         help="merge into an existing --out of the same configuration: its results for other "
         "policies are kept (to split the eight policies over shorter runs)",
     )
-    a = p.parse_args(argv)
+    a = H.parse(p, argv)
 
     if a.policies.strip() == "all":
         a.policies = list(dl.POLICY_NAMES)
@@ -155,7 +139,6 @@ def parse_args(argv=None):
     if a.n_save > K:
         p.error(f"--n-save {a.n_save}: allowed 1..{K} (the number of ticks)")
     a.tp_n_save = min(a.n_save, a.tp_ticks)
-    bench_simulate.check_out(p, a.out)
     a.previous = None
     if a.append:
         if a.out is None:
@@ -197,9 +180,8 @@ def config(a) -> dict:
 # ----------------------------------------------------------------------------------------
 
 
-def simulate(batch, policy, integ, dtype, *, tick, ticks, n_save, step_size):
-    t0 = time.perf_counter()
-    sol = dl.simulate(
+def _call(batch, policy, integ, dtype, *, tick, ticks, n_save, step_size):
+    return lambda: dl.simulate(
         batch,
         policy,
         step_size=step_size,
@@ -209,45 +191,38 @@ def simulate(batch, policy, integ, dtype, *, tick, ticks, n_save, step_size):
         integrator=integ,
         dtype=dtype,
     )
-    jax.block_until_ready(sol.N)
-    return sol, time.perf_counter() - t0
 
 
-def timed(batch, policy, integ, dtype, *, tick, ticks, n_save, step_size, repeats):
+def simulate(batch, policy, integ, dtype, **kw):
+    """One call (`H.measure`): (solution, wall seconds, compile included)."""
+    c = H.measure(_call(batch, policy, integ, dtype, **kw))
+    return c.result, c.wall_s
+
+
+def timed(batch, policy, integ, dtype, *, repeats, **kw):
     """Compile time (first call) and the best steady wall time of `repeats` calls."""
-    kw = dict(tick=tick, ticks=ticks, n_save=n_save, step_size=step_size)
-    bench_simulate._SPANS.clear()
-    sol, first = simulate(batch, policy, integ, dtype, **kw)
-    compile_s = min(bench_simulate.compile_seconds(), first)
-    bench_simulate._SPANS.clear()
-    walls = [simulate(batch, policy, integ, dtype, **kw)[1] for _ in range(repeats)]
+    t = H.timed(_call(batch, policy, integ, dtype, **kw), repeats)
     return {
-        "compile_s": compile_s,
-        "first_call_s": first,
-        "wall_s": min(walls),
-        "steady_walls_s": walls,
-        "recompiled_in_steady_calls": bench_simulate.compile_seconds() > 0.05,
-        "scenario_ticks_per_s": batch.batch_shape[0] * ticks / min(walls),
-        "statuses": status_counts(sol),
+        "compile_s": t.compile_s,
+        "first_call_s": t.first_call_s,
+        "wall_s": t.wall_s,
+        "steady_walls_s": t.walls_s,
+        "recompiled_in_steady_calls": t.recompiled,
+        "scenario_ticks_per_s": batch.batch_shape[0] * kw["ticks"] / t.wall_s,
+        "statuses": status_counts(t.result),
     }
 
 
 def status_counts(sol) -> dict[str, int]:
-    names, counts = np.unique(np.asarray(sol.status_names()).astype(str), return_counts=True)
-    return {str(k): int(v) for k, v in zip(names, counts)}
+    return accelerator.statuses(sol)["counts"]
 
 
 def rel_errors(N, Nref, mask, floor_frac):
-    """(max rel err, per-scenario max, per-saved-time max, max abs err) over valid cells."""
-    N = np.asarray(N, dtype=np.float64)
-    Nref = np.asarray(Nref, dtype=np.float64)
+    """(max rel err, per-scenario max, per-saved-time max, max abs err) over valid cells
+    (the relative error of `accelerator._rel`)."""
+    rel = accelerator._rel(N, Nref, mask, floor_frac)
     m = np.asarray(mask)[:, None, :]
-    scale = np.max(np.where(m, np.abs(Nref), 0.0), axis=(1, 2), keepdims=True)
-    den = np.maximum(np.abs(Nref), floor_frac * scale)
-    den = np.where(den > 0, den, 1.0)
-    rel = np.where(m, np.abs(N - Nref) / den, 0.0)
-    rel = np.where(np.isfinite(rel), rel, np.inf)
-    absd = np.where(m, np.abs(N - Nref), 0.0)
+    absd = np.where(m, np.abs(np.asarray(N, np.float64) - np.asarray(Nref, np.float64)), 0.0)
     return (
         float(rel.max()),
         rel.max(axis=(1, 2)).tolist(),
@@ -288,21 +263,16 @@ def both_dtypes(batch, pol, args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    dl.use_cpu_cores()  # every core a CPU device (simulate shards the batch over them)
     t_all = time.perf_counter()
     meta = {
         "benchmark": "float32_accuracy",
-        "devices": [str(d) for d in jax.devices()],
-        "backend": jax.default_backend(),
-        "jax_version": jax.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "git": accelerator.git_state(),
-        "command": " ".join(["benchmarks/float32_accuracy.py"] + sys.argv[1:])
-        if argv is None
-        else None,
+        **H.environment("devices", "backend", "jax_version", "python", "cpu_count"),
+        "loadavg_start": H.loadavg(),
+        "git": H.git_state(),
+        "command": H.command(argv),
         "scenarios": (
-            f"bench_simulate.appb_batch({args.n_cells}, B, seed={args.seed}, horizon=600.0): "
+            f"_batches.appb_batch({args.n_cells}, B, seed={args.seed}, horizon=600.0): "
             "the App. B generator, first `horizon` seconds simulated"
         ),
         **config(args),
@@ -317,19 +287,19 @@ def main(argv=None):
         "throughput_buffers": "kept",
         "targets": TARGETS,
     }
-    log(f"devices {meta['devices']}, backend {meta['backend']}, jax {jax.__version__}")
+    H.log(f"devices {meta['devices']}, backend {meta['backend']}, jax {meta['jax_version']}")
 
     t0 = time.perf_counter()
-    acc_batch = bench_simulate.appb_batch(args.n_cells, args.batch, seed=args.seed)
+    acc_batch = appb_batch(args.n_cells, args.batch, seed=args.seed)
     buffer = np.asarray(acc_batch.buffer)
     acc_batch = dataclasses.replace(acc_batch, buffer=jnp.full_like(acc_batch.buffer, jnp.inf))
-    tp_batch = bench_simulate.appb_batch(args.n_cells, args.tp_batch, seed=args.seed)
+    tp_batch = appb_batch(args.n_cells, args.tp_batch, seed=args.seed)
     tgt_batch = None
     if args.target_batch and "flow-grad" in args.policies:
         if args.target_batch == args.tp_batch:
             tgt_batch = tp_batch
         else:
-            tgt_batch = bench_simulate.appb_batch(args.n_cells, args.target_batch, seed=args.seed)
+            tgt_batch = appb_batch(args.n_cells, args.target_batch, seed=args.seed)
     meta["build_s"] = time.perf_counter() - t0
     try:
         meta["fast_for_batch"] = str(dl.Fast().for_batch(acc_batch.strip(), args.tick))
@@ -402,7 +372,7 @@ def main(argv=None):
             res["meets"]["float32_speedup_at_target_batch"] = r >= TARGETS["float32_speedup"]
         res["policy_s"] = time.perf_counter() - tp0
         results.append(res)
-        log(
+        H.log(
             f"[{pol}] err f64 {e64:.2e}, f32 {e32:.2e} (f32 vs f64 {e3264:.2e}); "
             f"ref {ref_s:.1f}s; f32/f64 throughput x{ratio:.2f} "
             f"({tput['float64']['scenario_ticks_per_s']:.3g} -> "
@@ -410,7 +380,7 @@ def main(argv=None):
             f"{res['statuses']}; {res['policy_s']:.0f}s"
         )
 
-    meta["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    meta["loadavg_end"] = H.loadavg()
     meta["total_s"] = time.perf_counter() - t_all
     run = {k: meta[k] for k in ("command", "git", "loadavg_start", "loadavg_end", "total_s")}
     run["policies"] = args.policies
@@ -421,46 +391,41 @@ def main(argv=None):
         order = {p: i for i, p in enumerate(dl.POLICY_NAMES)}
         results = sorted(kept + results, key=lambda r: order.get(r["policy"], 99))
         runs = args.previous.get("runs", []) + runs
-    out = dict(meta, runs=runs, results=results)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    log(fmt_table(results, args))
-    log(f"total {meta['total_s']:.0f}s")
+    out = H.emit(dict(meta, runs=runs, results=results), args.out, indent=1)
+    H.log(fmt_table(results, args))
+    H.log(f"total {meta['total_s']:.0f}s")
     return out
 
 
 def fmt_table(results, args) -> str:
-    hdr = (
-        f"{'policy':>9} {'fast64 err':>10} {'fast32 err':>10} {'f32-f64':>9} "
-        f"{'f32 >1e-3 at':>12} {'lat err f32':>11} {'f64 steps/s':>11} {'f32 steps/s':>11} "
-        f"{'f32/f64':>7} {'max N/buf':>9} status"
-    )
-    lines = [
-        f"Fast() vs Accurate(rtol={args.ref_rtol:g}, atol={args.ref_atol:g}) float64: "
-        f"{args.batch} App.-B scenarios of {args.n_cells} cells, tick {args.tick}, "
-        f"horizon {args.horizon}; throughput at batch {args.tp_batch}, {args.tp_ticks} ticks",
-        hdr,
-        "-" * len(hdr),
-    ]
+    header = ("policy", "fast64 err", "fast32 err", "f32-f64", "f32 >1e-3 at", "lat err f32")
+    header += ("f64 steps/s", "f32 steps/s", "f32/f64", "max N/buf", "status")
+    rows = []
     for r in results:
         tp = r["throughput"]
         st = "ok" if all(set(v) == {"success"} for v in r["statuses"].values()) else r["statuses"]
         fe = r["fast32_first_time_over_1e-3"]
-        lines.append(
-            f"{r['policy']:>9} {r['fast64_rel_err']:>10.1e} {r['fast32_rel_err']:>10.1e} "
-            f"{r['f32_vs_f64_rel_err']:>9.1e} {'-' if fe is None else f'{fe:.1f} s':>12} "
-            f"{r['mean_latency_rel_err']['fast32']:>11.1e} "
-            f"{tp['float64']['scenario_ticks_per_s']:>11.3g} "
-            f"{tp['float32']['scenario_ticks_per_s']:>11.3g} {r['float32_speedup']:>6.2f}x "
-            f"{r['max_N_over_buffer']:>9.2f} {st}"
-        )
+        rows.append((
+            r["policy"], f"{r['fast64_rel_err']:.1e}", f"{r['fast32_rel_err']:.1e}",
+            f"{r['f32_vs_f64_rel_err']:.1e}", "-" if fe is None else f"{fe:.1f} s",
+            f"{r['mean_latency_rel_err']['fast32']:.1e}",
+            f"{tp['float64']['scenario_ticks_per_s']:.3g}",
+            f"{tp['float32']['scenario_ticks_per_s']:.3g}", f"{r['float32_speedup']:.2f}x",
+            f"{r['max_N_over_buffer']:.2f}", st,
+        ))  # fmt: skip
+    lines = [
+        f"Fast() vs Accurate(rtol={args.ref_rtol:g}, atol={args.ref_atol:g}) float64: "
+        f"{args.batch} App.-B scenarios of {args.n_cells} cells, tick {args.tick}, "
+        f"horizon {args.horizon}; throughput at batch {args.tp_batch}, {args.tp_ticks} ticks",
+        H.markdown_table(header, rows, align="l" + "r" * 9 + "l"),
+    ]
+    for r in results:
         if "target_batch_throughput" in r:
             g = r["target_batch_throughput"]
             lines.append(
-                f"{'':>9} batch {g['batch']}: f64 {g['float64']['scenario_ticks_per_s']:.3g}, "
-                f"f32 {g['float32']['scenario_ticks_per_s']:.3g} steps/s -> {g['ratio']:.2f}x"
+                f"{r['policy']} at batch {g['batch']}: f64 "
+                f"{g['float64']['scenario_ticks_per_s']:.3g}, f32 "
+                f"{g['float32']['scenario_ticks_per_s']:.3g} steps/s -> {g['ratio']:.2f}x"
             )
     lines.append(
         f"targets (issue #11): fast64 err <= {TARGETS['fast_float64_rel_err']:g}, fast32 err "
