@@ -162,7 +162,10 @@ class PrefillDecodeCells(AbstractCells):
         s = jnp.argmin(jnp.where(valid, load, jnp.iinfo(jnp.int32).max))
         full = (load[s] >= Q) | ~valid[s]
         do = ok & ~full
-        key, sub = jr.split(state.key)
+        new_key, sub = jr.split(state.key)
+        # (the key advances only with an admission: a trial's draws must not depend on how
+        # many idle iterations the other trials of its batch make it run)
+        key = jnp.where(do, new_key, state.key)
         pw, dw = self._work(sub, j, ())
         size = state.p_size[j, s]
         # (an index past the ring drops the write)

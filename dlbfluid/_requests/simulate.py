@@ -376,9 +376,13 @@ def simulate_requests(
         # and deliveries) + k sum(capacity) (completions), plus the tick's end; six
         # standard deviations above the mean.
         caps = np.where(mask, np.asarray(scn.service.capacity), 0.0)
-        # (App.-B cells: two deterministic events per request, at the stage capacities)
-        caps = np.where(pd_caps > 0, pd_caps / k_b[:, None], caps)
-        rate = np.max(k_b * (2.0 * np.where(mask, lam.max(-1), 0.0).sum(-1) + caps.sum(-1)))
+        # App.-B cells: two deterministic events per request, at most the stage capacities,
+        # and in the long run the arrival rate: their sum is capped at 4 sum(lambda_max)
+        # (a stage that drains a backlog faster may exceed `events`: a status).
+        lam_tot = np.where(mask, lam.max(-1), 0.0).sum(-1)
+        pd_rate = np.minimum(pd_caps.sum(-1) / k_b, 4.0 * lam_tot)
+        caps = np.where(pd_caps > 0, 0.0, caps)
+        rate = np.max(k_b * (2.0 * lam_tot + caps.sum(-1) + pd_rate))
         m = float(rate) * h
         events = _pow2(16.0 + m + 6.0 * math.sqrt(m))
     events = _count("events", events)

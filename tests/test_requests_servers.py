@@ -1,0 +1,324 @@
+"""The App.-B prefill/decode server cells of the request-level twin (theory/requests.md,
+*App.-B cell*): closed forms within three standard errors of the trials, the insensitivity
+of an infinite-server decode stage with its FIFO negative control, the scenario fields'
+validation, and an overflow that stays a status."""
+
+import copy
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.optimize
+
+import dlbfluid as dl
+from dlbfluid import scenario_from_dict, simulate_requests
+from dlbfluid._generator import generate, scenario_dicts
+
+LAM = 5.0
+
+
+def law(shift, shape, scale):
+    return {"shift": shift, "shape": shape, "scale": scale}
+
+
+def mean_tokens(t):
+    return t["shift"] + t["shape"] * t["scale"]
+
+
+def cell(tp, td, prompt, output, *, slots=1, lam=LAM, buffer=None):
+    """One cell of one App.-B server (one decode engine of `slots` slots), no delay; the
+    fluid service is the M/M/1 law at the server's bottleneck capacity (Assumption 2)."""
+    cap = min(1.0 / (tp * mean_tokens(prompt)), slots / (td * mean_tokens(output)))
+    c = {
+        "name": "a",
+        "arrival_rate": lam,
+        "replicas": 1,
+        "service": {"model": "mm1", "capacity": cap},
+        "servers": {
+            "count": 1,
+            "prefill_token_time": tp,
+            "decode_token_time": td,
+            "decode_engines": 1,
+            "slots": slots,
+        },
+    }
+    if buffer is not None:
+        c["buffer"] = buffer
+    return {
+        "name": "appb",
+        "cells": [c],
+        "latency": [[0.0]],
+        "workload": {"prompt_tokens": prompt, "output_tokens": output},
+    }
+
+
+# (b) M/G/1 prefill (Gamma prompt tokens) + a decode stage of 64 slots (never full).
+MG1 = dict(tp=0.01, td=0.02, prompt=law(2.0, 0.5, 20.0), output=law(1.0, 1.0, 4.0), slots=64)
+# (b) Jackson tandem: exponential prompt and output tokens, one slot.
+JACKSON = dict(tp=0.01, td=0.02, prompt=law(0.0, 1.0, 10.0), output=law(0.0, 1.0, 5.0))
+# (a) Insensitivity: a short deterministic prefill, then 0.3 s of decode on average under
+# three output-token laws (deterministic, exponential, Gamma of SCV 4) with 64 slots
+# (an infinite-server stage), and the first two again with 2 slots (FIFO: sensitive).
+PREFILL_D = dict(tp=0.02, prompt=law(1.0, 1.0, 0.0), td=0.03)
+OUTPUTS = {"det": law(10.0, 1.0, 0.0), "exp": law(0.0, 1.0, 10.0), "gam": law(0.0, 0.25, 40.0)}
+CASES = {
+    "mg1": cell(**MG1),
+    "jackson": cell(**JACKSON),
+    **{f"inf-{k}": cell(**PREFILL_D, output=o, slots=64) for k, o in OUTPUTS.items()},
+    **{f"fifo-{k}": cell(**PREFILL_D, output=OUTPUTS[k], slots=2) for k in ("det", "exp")},
+    # A buffer of one request, exponential prefill, a negligible decode: M/M/1/1.
+    "loss": cell(0.01, 1e-9, law(0.0, 1.0, 10.0), law(1.0, 1.0, 0.0), buffer=1.0),
+}
+TRIALS = 64
+
+
+def pk_sojourn(lam, tp, prompt):
+    """Pollaczek-Khinchine: mean sojourn of the M/G/1 prefill, $S = t_p(\\delta + G)$:
+    $E[S] + \\lambda E[S^2]/(2(1-\\rho))$, $E[S^2] = t_p^2((\\delta+\\alpha\\theta)^2
+    + \\alpha\\theta^2)$."""
+    m = tp * mean_tokens(prompt)
+    m2 = tp**2 * (mean_tokens(prompt) ** 2 + prompt["shape"] * prompt["scale"] ** 2)
+    return m + lam * m2 / (2.0 * (1.0 - lam * m))
+
+
+def cdf_at(hist, counts, q):
+    """Per-trial fraction of latencies <= q read from the histogram (log-uniform inside
+    q's bin; as in tests/test_requests.py)."""
+    counts = np.asarray(counts, float)
+    b = int(np.asarray(hist.index(jnp.asarray(q))))
+    lo = hist.low * math.exp((b - 1) * hist.log_ratio)
+    frac = math.log(q / lo) / hist.log_ratio
+    below = counts[..., :b].sum(-1) + frac * counts[..., b]
+    return below / counts.sum(-1)
+
+
+def mean_se(x):
+    x = np.asarray(x, float)
+    return float(x.mean()), float(x.std(ddof=1) / math.sqrt(x.size))
+
+
+def within(value, target, se):
+    return abs(value - target) <= 3.0 * se
+
+
+@pytest.fixture(scope="module")
+def sol():
+    batch = dl.stack_scenarios([scenario_from_dict(d) for d in CASES.values()])
+    return simulate_requests(
+        batch,
+        "rand",
+        service="servers",
+        trials=TRIALS,
+        horizon=40.0,
+        warmup=4.0,
+        tick=1.0,
+        n_save=4,
+    )
+
+
+def case(sol, name):
+    return sol.scenario(list(CASES).index(name))
+
+
+def test_all_trials_succeed(sol):
+    assert np.all(sol.status_names() == "success"), sol.overflow
+    assert int(np.min(sol.served)) > 50
+
+
+def test_mg1_prefill_pollaczek_khinchine(sol):
+    s = case(sol, "mg1")
+    expect = pk_sojourn(LAM, MG1["tp"], MG1["prompt"]) + MG1["td"] * mean_tokens(MG1["output"])
+    m, se = mean_se(s.mean_latency())
+    assert within(m, expect, se), (m, se, expect)  # 0.34125 s
+    # Utilisation: the prefill engine (the bottleneck stage) is busy a fraction rho.
+    u, se_u = mean_se(s.utilisation[:, 0])
+    assert within(u, LAM * MG1["tp"] * mean_tokens(MG1["prompt"]), se_u), (u, se_u)
+    # Little's law on the time-average count.
+    n, se_n = mean_se(s.mean_requests[:, 0])
+    assert within(n, LAM * expect, se_n), (n, se_n, LAM * expect)
+
+
+def test_wrong_token_time_fails_the_closed_form(sol):
+    """Negative control: the Pollaczek-Khinchine mean at a prefill token time 15% off, or
+    with the prompt tokens' variance left out (M/D/1 at the same mean), is rejected."""
+    s = case(sol, "mg1")
+    m, se = mean_se(s.mean_latency())
+    decode = MG1["td"] * mean_tokens(MG1["output"])
+    wrong_tp = pk_sojourn(LAM, 1.15 * MG1["tp"], MG1["prompt"]) + decode
+    no_var = pk_sojourn(LAM, MG1["tp"], law(mean_tokens(MG1["prompt"]), 1.0, 0.0)) + decode
+    assert not within(m, wrong_tp, se), (m, se, wrong_tp)
+    assert not within(m, no_var, se), (m, se, no_var)
+
+
+def test_jackson_tandem(sol):
+    """Exponential prefill then one exponential decode slot, Poisson arrivals: two M/M/1
+    queues in tandem (Burke), sojourn Exp(mu_p - lam) + Exp(mu_d - lam)."""
+    s = case(sol, "jackson")
+    mu_p = 1.0 / (JACKSON["tp"] * mean_tokens(JACKSON["prompt"]))
+    mu_d = 1.0 / (JACKSON["td"] * mean_tokens(JACKSON["output"]))
+    assert mu_p == mu_d == 10.0
+    theta = mu_p - LAM
+    m, se = mean_se(s.mean_latency())
+    assert within(m, 2.0 / theta, se), (m, se)  # 0.4 s
+    # Erlang(2, theta): P(T > t) = exp(-theta t)(1 + theta t); its 0.9-quantile 0.778 s.
+    q90 = scipy.optimize.brentq(lambda t: math.exp(-theta * t) * (1 + theta * t) - 0.1, 0, 5)
+    F, seF = mean_se(cdf_at(s.histogram_bins, s.histogram, q90))
+    assert within(F, 0.9, seF), (F, seF)
+    # The pooled p90, its error by the delta method: se(F)/f(q), f = theta^2 q e^{-theta q}.
+    pooled = np.asarray(s.histogram).sum(0)
+    est = float(s.histogram_bins.percentile(jnp.asarray(pooled), 0.9))
+    f = theta**2 * q90 * math.exp(-theta * q90)
+    assert abs(est - q90) <= 3.0 * seF / f + s.histogram_bins.resolution * q90, (est, q90)
+    # Negative control: the p90 of one M/M/1 stage (ln 10/theta = 0.46 s) is rejected.
+    assert abs(est - math.log(10) / theta) > 3.0 * seF / f + s.histogram_bins.resolution * q90
+
+
+def test_infinite_server_decode_is_insensitive(sol):
+    """(a) With more decode slots than requests, the decode stage is an infinite-server
+    station: its sojourn is the request's own decode time, so the mean end-to-end latency
+    depends on the output tokens' law only through its mean (here 0.3 s for the
+    deterministic, exponential and SCV-4 Gamma laws); the deterministic prefill is an
+    M/D/1 queue (Pollaczek-Khinchine)."""
+    decode = PREFILL_D["td"] * 10.0
+    expect = pk_sojourn(LAM, PREFILL_D["tp"], PREFILL_D["prompt"]) + decode
+    means = {}
+    for k in OUTPUTS:
+        s = case(sol, f"inf-{k}")
+        means[k] = m, se = mean_se(s.mean_latency())
+        assert within(m, expect, se), (k, m, se, expect)  # 0.3211 s
+        n, se_n = mean_se(s.mean_requests[:, 0])
+        assert within(n, LAM * expect, se_n), (k, n, se_n)
+
+
+def test_fifo_decode_is_sensitive(sol):
+    """Negative control of the insensitivity: with two slots the decode stage queues
+    (FIFO, load 0.75) and the exponential output law waits longer than the deterministic
+    one, by many standard errors."""
+    det = mean_se(case(sol, "fifo-det").mean_latency())
+    exp = mean_se(case(sol, "fifo-exp").mean_latency())
+    assert exp[0] - det[0] > 3 * math.hypot(det[1], exp[1]), (det, exp)
+    # both are above the infinite-server value: the queueing is real
+    inf = mean_se(case(sol, "inf-det").mean_latency())
+    assert det[0] - inf[0] > 3 * math.hypot(det[1], inf[1]), (det, inf)
+
+
+# ----------------------------------------------------------------------------------------
+# Overflow: a status, and the rest of the batch unaffected
+# ----------------------------------------------------------------------------------------
+
+
+def test_overflow_is_a_status_and_the_batch_is_unaffected():
+    good = scenario_from_dict(cell(**JACKSON))
+    over = scenario_from_dict(cell(**JACKSON, lam=30.0), allow_overload=True)
+    kw = dict(service="servers", trials=3, horizon=8.0, tick=0.25, n_save=4, slots=16, events=64)
+    a = simulate_requests(dl.stack_scenarios([good, over]), "rand", **kw)
+    b = simulate_requests(dl.stack_scenarios([good, good]), "rand", **kw)
+    names = a.status_names()
+    assert np.all(names[1] == "solver_failed") and np.all(np.asarray(a.overflow[1]) & 1)
+    assert np.all(names[0] == "success") and np.all(b.status_names() == "success")
+    for field in ("served", "latency_sum", "histogram", "count", "mean_requests", "events"):
+        assert np.array_equal(np.asarray(getattr(a, field)[0]), np.asarray(getattr(b, field)[0]))
+    with pytest.raises(RuntimeError, match="slots"):
+        a.raise_for_status()
+
+
+def test_full_buffer_rejects_and_counts_errors(sol):
+    """A buffer of one request at the cell: a request that finds one present is rejected
+    and counted as an error. With exponential prefill and a negligible decode this is
+    M/M/1/1, blocking probability rho/(1+rho) (Erlang's loss formula; PASTA)."""
+    s = case(sol, "loss")
+    rho = LAM * 0.1
+    e, se = mean_se(s.error_rate())
+    assert within(e, rho / (1 + rho), se), (e, se)  # 1/3
+    assert not within(e, rho, se)  # the M/M/1 P(busy), without the blocking
+
+
+# ----------------------------------------------------------------------------------------
+# Scenario fields
+# ----------------------------------------------------------------------------------------
+
+
+def _mutated(mutate):
+    d = copy.deepcopy(cell(**JACKSON))
+    mutate(d)
+    return d
+
+
+def _srv(d):
+    return d["cells"][0]["servers"]
+
+
+BAD = [
+    (lambda d: d["cells"][0].__setitem__("servers", 3), ["cells[0].servers", "3", "object"]),
+    (lambda d: _srv(d).__setitem__("engines", 2), ["cells[0].servers", "engines", "allowed"]),
+    (lambda d: _srv(d).__setitem__("prefill_token_time", 0.0),
+     ["cells[0].servers.prefill_token_time", "0.0", "> 0"]),
+    (lambda d: _srv(d).__setitem__("decode_token_time", -1e-3),
+     ["cells[0].servers.decode_token_time", "-0.001", "> 0"]),
+    (lambda d: _srv(d).pop("decode_token_time"), ["cells[0].servers.decode_token_time", "required"]),
+    (lambda d: _srv(d).__setitem__("count", 0), ["cells[0].servers.count", "0", "integer in [1"]),
+    (lambda d: _srv(d).__setitem__("decode_engines", 1.5),
+     ["cells[0].servers.decode_engines", "1.5", "integer"]),
+    (lambda d: _srv(d).__setitem__("slots", True), ["cells[0].servers.slots", "True", "integer"]),
+    (lambda d: _srv(d).update(decode_engines=64, slots=64), ["cells[0].servers", "4096", "1024"]),
+    (lambda d: d.pop("workload"), ["workload", "required", "servers"]),
+    (lambda d: d.__setitem__("workload", []), ["workload", "prompt_tokens", "output_tokens"]),
+    (lambda d: d["workload"]["prompt_tokens"].__setitem__("shape", 0.0),
+     ["workload.prompt_tokens.shape", "0.0", "> 0"]),
+    (lambda d: d["workload"]["output_tokens"].__setitem__("scale", -1.0),
+     ["workload.output_tokens.scale", "-1.0", ">= 0"]),
+    (lambda d: d["workload"]["output_tokens"].__setitem__("mean", 3.0),
+     ["workload.output_tokens", "shift, shape, scale"]),
+    (lambda d: d["workload"].__setitem__("prompt_tokens", law(0.0, 1.0, 0.0)),
+     ["workload.prompt_tokens", "positive mean"]),
+    (lambda d: d["workload"]["prompt_tokens"].__setitem__("shift", float("nan")),
+     ["workload.prompt_tokens.shift", "finite"]),
+]
+
+
+@pytest.mark.parametrize("mutate,needles", BAD)
+def test_bad_servers_and_workload_fields_are_named(mutate, needles):
+    with pytest.raises(dl.ScenarioError) as e:
+        scenario_from_dict(_mutated(mutate))
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_fields_round_trip_and_defaults():
+    d = _mutated(lambda d: [_srv(d).pop(k) for k in ("count", "decode_engines", "slots")])
+    d["cells"][0]["replicas"] = 3
+    s = scenario_from_dict(d)
+    assert int(s.servers.count[0]) == 3  # count defaults to the replicas
+    assert (int(s.servers.decode_engines[0]), int(s.servers.slots[0])) == (2, 4)  # App. B
+    back = dl.scenario_to_dict(s)
+    assert back["cells"][0]["servers"]["count"] == 3 and back["workload"] == d["workload"]
+    again = scenario_from_dict(back)
+    assert float(again.servers.prefill_token_time[0]) == JACKSON["tp"]
+    # A scenario without servers keeps none (existing files parse unchanged), and stacks
+    # with one that has them: its cells are marked without.
+    plain = dl.default_scenario()
+    assert plain.servers is None and plain.workload is None
+    batch = dl.stack_scenarios([s, plain])
+    assert batch.servers.mask.tolist() == [[True, False, False, False], [False] * 4]
+
+
+def test_servers_mode_needs_a_servers_object_or_mm1():
+    d = _mutated(lambda d: d["cells"][0].pop("servers"))
+    d["cells"][0]["service"] = {"model": "softplus", "base_latency": 0.2, "capacity": 10.0,
+                                "knee": 1.0, "width": 1.0}
+    d["cells"][0]["name"] = "slowcell"
+    with pytest.raises(ValueError, match=r"cells\[0\] \('slowcell'\).*servers"):
+        simulate_requests(scenario_from_dict(d), "rand", service="servers", horizon=1.0)
+
+
+def test_generator_writes_servers_and_workload():
+    gen = generate(0, 2, max_cells=4)
+    for b, d in enumerate(scenario_dicts(gen, horizon=60.0, fluctuation=0.0)):
+        s = scenario_from_dict(d)
+        n = int(gen.n_cells[b])
+        np.testing.assert_array_equal(s.servers.count, gen.replicas[b, :n])
+        np.testing.assert_array_equal(s.servers.prefill_token_time, gen.prefill_token_time[b, :n])
+        np.testing.assert_array_equal(s.servers.decode_token_time, gen.decode_token_time[b, :n])
+        assert s.servers.decode_engines.tolist() == [2] * n and s.servers.slots.tolist() == [4] * n
+        assert float(s.workload.prompt_shift) == 100.0 and float(s.workload.output_scale) == 200.0
