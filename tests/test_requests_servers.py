@@ -53,6 +53,18 @@ def cell(tp, td, prompt, output, *, slots=1, lam=LAM, buffer=None):
     }
 
 
+def mixed():
+    """The Jackson cell beside an M/M/1 cell without a `servers` object (capacity 10, its
+    own arrivals at rate 5, no arc between them): the latter is one exponential FIFO
+    server."""
+    d = cell(**JACKSON)
+    d["cells"].append(
+        {"name": "b", "arrival_rate": LAM, "replicas": 1, "service": {"model": "mm1", "capacity": 10.0}}
+    )
+    d["latency"] = [[0.0, None], [None, 0.0]]
+    return d
+
+
 # (b) M/G/1 prefill (Gamma prompt tokens) + a decode stage of 64 slots (never full).
 MG1 = dict(tp=0.01, td=0.02, prompt=law(2.0, 0.5, 20.0), output=law(1.0, 1.0, 4.0), slots=64)
 # (b) Jackson tandem: exponential prompt and output tokens, one slot.
@@ -69,6 +81,7 @@ CASES = {
     **{f"fifo-{k}": cell(**PREFILL_D, output=OUTPUTS[k], slots=2) for k in ("det", "exp")},
     # A buffer of one request, exponential prefill, a negligible decode: M/M/1/1.
     "loss": cell(0.01, 1e-9, law(0.0, 1.0, 10.0), law(1.0, 1.0, 0.0), buffer=1.0),
+    "mixed": mixed(),
 }
 TRIALS = 64
 
@@ -201,6 +214,22 @@ def test_fifo_decode_is_sensitive(sol):
     # both are above the infinite-server value: the queueing is real
     inf = mean_se(case(sol, "inf-det").mean_latency())
     assert det[0] - inf[0] > 3 * math.hypot(det[1], inf[1]), (det, inf)
+
+
+def test_mm1_cell_without_servers_is_an_exponential_fifo_server(sol):
+    """In a scenario with App.-B cells, an M/M/1 cell without a `servers` object is one
+    exponential FIFO server: M/M/1, mean count rho/(1-rho) = 1 and busy fraction 0.5, while
+    the App.-B cell beside it holds 2 (two M/M/1 stages); the pooled mean latency is
+    (0.4 + 0.2)/2."""
+    s = case(sol, "mixed")
+    n_a, se_a = mean_se(s.mean_requests[:, 0])
+    n_b, se_b = mean_se(s.mean_requests[:, 1])
+    u_b, se_u = mean_se(s.utilisation[:, 1])
+    assert within(n_a, 2.0, se_a) and within(n_b, 1.0, se_b), (n_a, se_a, n_b, se_b)
+    assert within(u_b, 0.5, se_u), (u_b, se_u)
+    assert not within(n_b, 2.0, se_b)  # not a second stage
+    m, se = mean_se(s.mean_latency())
+    assert within(m, 0.3, se), (m, se)
 
 
 # ----------------------------------------------------------------------------------------
