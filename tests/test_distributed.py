@@ -31,7 +31,7 @@ ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 DRIVER = r"""
 import contextlib, io, json, math, os, sys, time
 from pathlib import Path
-import dlbfluid._verify
+import dlbfluid._verify.records
 from dlbfluid._cli import main
 
 steps, extra, out, result = json.loads(Path(sys.argv[1]).read_text()), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -66,7 +66,7 @@ for step in steps:
             path.write_text("".join(lines[: step["keep"]]) + step["torn"])
         continue
     argv = [a.replace("{out}", out) for a in step.get(f"argv{me}", step["argv"])] + extra
-    dlbfluid._verify._chunk_records = boom if step.get("fail") == me else records
+    dlbfluid._verify.records._chunk_records = boom if step.get("fail") == me else records
     chunks.clear()
     so, se, t = io.StringIO(), io.StringIO(), time.perf_counter()
     with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):

@@ -13,7 +13,7 @@ import math
 import pytest
 
 import dlbfluid
-import dlbfluid._verify
+import dlbfluid._verify.records
 from dlbfluid import _experiment as ex
 from dlbfluid._cli import main
 from dlbfluid._manifest import MANIFEST
@@ -76,7 +76,7 @@ def chunks(monkeypatch):
             )
         return out
 
-    monkeypatch.setattr(dlbfluid._verify, "_chunk_records", records)
+    monkeypatch.setattr(dlbfluid._verify.records, "_chunk_records", records)
     return log
 
 

@@ -300,7 +300,7 @@ def test_manifest_records_the_new_settings(tmp_path, monkeypatch):
     """Settings that change results are in the manifest when not at their defaults (a
     default run keeps its earlier manifest), and a rerun with another is refused naming
     the option; nothing is computed (records are faked)."""
-    import dlbfluid._verify
+    import dlbfluid._verify.records
 
     def records(idx, seed, source, pols, chunk, *rest, **kw):
         return [{"index": i, "n_cells": 2, "utilisation": 0.5,
@@ -309,7 +309,7 @@ def test_manifest_records_the_new_settings(tmp_path, monkeypatch):
                                   "eta_over_eta_star": 0.3} for p, _ in pols}}
                 for i in idx]  # fmt: skip
 
-    monkeypatch.setattr(dlbfluid._verify, "_chunk_records", records)
+    monkeypatch.setattr(dlbfluid._verify.records, "_chunk_records", records)
     out = tmp_path / "run"
     verify(2, out_dir=out, ladder="full", step_rule="paper", generator="appb", **KW)
     config = json.loads((out / "manifest.json").read_text())["config"]

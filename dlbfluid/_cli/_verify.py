@@ -159,7 +159,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from .._registry import flow_policy_names
-    from .._verify import verify
+    from .._verify import VerifyConfig, verify
 
     check_min_max(args.min_cells, args.max_cells, "--min-cells", "--max-cells")
     check_whole_ticks(args.horizon, args.tick)
@@ -182,27 +182,30 @@ def run(args) -> int:
         given = json.loads(Path(args.scenario).read_text())
         n = 1
     check_out_dir_on_main(args, args.out)
-    res = verify(
-        n,
-        args.seed,
-        out_dir=args.out,
+    config = VerifyConfig(
         chunk=args.chunk,
         n_cells=(args.min_cells, args.max_cells),
         horizon=args.horizon,
         tick=args.tick,
         step_fraction=args.step_fraction,
         conv_tol=args.conv_tol,
-        progress=not args.no_progress,
-        processes=getattr(args, "processes", None),
-        policies=None if args.policy == "all" else [args.policy],
+        policies=None if args.policy == "all" else (args.policy,),
         generator=args.generator,
-        scenario=given,
         step_rule=args.step_rule,
         ladder=args.ladder,
         tau_scales=tuple(args.tau_scales),
         step_base=args.step_base,
         worst_case=args.worst_case,
         starts=args.starts,
+    )
+    res = verify(
+        n,
+        args.seed,
+        config=config,
+        out_dir=args.out,
+        progress=not args.no_progress,
+        processes=getattr(args, "processes", None),
+        scenario=given,
     )
     if res is None:  # not process 0: it prints and writes the merged results
         return 0

@@ -1,0 +1,271 @@
+"""`verify`: Theorem 1 checked over a batch of scenarios, resumable (theory/lyapunov.md,
+*Batch verification*).
+
+For every scenario: solve the equilibria, compute every flow policy's critical step size
+for the whole chunk at once, Theorem 1's constants, one run per flow policy, Theorem 1's
+check and the projection check along it (`records`). Results are appended to a JSON-lines
+file chunk by chunk, so that a killed run resumes where it stopped without losing or
+duplicating a scenario; the directory's manifest (`dlbfluid._manifest`) refuses a rerun
+with other settings (`VerifyConfig.manifest`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from .._distributed import Processes
+from .._manifest import open_manifest, resume_note
+from .._progress import Progress
+from . import records as _records
+from .config import _FLAGS, DEFAULT_CHUNK, VerifyConfig, flow_policies
+from .networks import _AppB, draw_scenario
+from .summary import _read_done, summarise
+
+
+def verify(
+    n_scenarios: int,
+    seed: int = 0,
+    *,
+    config: VerifyConfig | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool | Callable = False,
+    draw: Callable[[int, int], dict] | None = None,
+    processes: Processes | None = None,
+    scenario: dict | None = None,
+    **settings,
+) -> dict | None:
+    """Verify Theorem 1 on `n_scenarios` random scenarios; returns the summary dict.
+
+    The settings are a `VerifyConfig` (`config`), or its fields as keywords
+    (`verify(8, horizon=100.0)`), or both (the keywords replace the config's fields).
+
+    `policies`: the flow policies to run (default: every registered one). `draw`: a
+    scenario source `draw(seed, index) -> dict` in the scenario-file format (default
+    `draw_scenario` with `n_cells`), e.g. networks of a user's own service model; scenario
+    `index` must depend on `(seed, index)` only, so that a resumed run redraws what it lost.
+
+    Each flow policy runs with $\\eta = $ `step_fraction` $\\times\\,\\eta^*$, its critical
+    step size from the pseudospectral stability analysis (`critical_step_size`), so
+    $\\eta/\\eta^* = $ `step_fraction` unless $\\eta^*$ is unavailable (then $\\eta = 0.05$ and
+    the ratio is null). A scenario has converged when
+    $\\max_j|N_j(T)-N_j^*| \\le$ `conv_tol` $\\max(1, \\max_j N_j^*)$ and its run succeeded.
+
+    `generator`: the scenario source when `draw` is not given: `"random"` (`draw_scenario`,
+    with `n_cells`) or `"appb"` (the App.-B generator, `draw_appb`). `scenario`: verify this
+    one scenario dict (scenario-file format) instead; `n_scenarios` must then be 1.
+
+    `step_rule`: `"oracle"` ($\\eta = $ `step_fraction` $\\times\\,\\eta^*$) or `"paper"`
+    (router $i$ takes $\\eta_i = \\kappa_c/\\bar\\tau_i$, `dlbfluid._experiment.paper_step_sizes`;
+    $\\eta^*$ is then the critical scaling of that profile, so `eta_over_eta_star` is how far
+    below it the rule runs, and `step_size` is the largest router step).
+
+    `ladder`: `"none"` (the run above and its certificate only) or `"full"`: the Theorem-1
+    ladder of `dlbfluid._theorem1.theorem1_ladder` per scenario and policy (the bound's
+    constants, the $T^{-1/2}$ schedule's slope, $G_1$ against the delay scales
+    `tau_scales`, the empirical $\\eta_0$), about thirty further runs per scenario and
+    policy, batched.
+
+    `step_base`: what `step_fraction` multiplies with the oracle rule: `"eta-star"` (the
+    linear critical step) or `"eta0"` (the proof's threshold, `batch_theorem1_constants`;
+    a fraction $\\le 1$ runs inside Theorem 1's hypothesis). Every record carries Theorem 1's
+    explicit constants and its check along the run (`theorem1`, theory/lyapunov.md) and the
+    three thresholds (`thresholds`).
+
+    `worst_case`: also search each scenario's global threshold $\\eta_g$ with `starts`
+    starts per scenario and rung (`dlbfluid._global_threshold.global_threshold`, one batch
+    per chunk and policy; its own horizon and tick, `WorstCaseSearch`'s defaults), filling
+    `thresholds`' `eta_global`, `bistable`, `hopf`, `witness`, `cycle_amplitude` and
+    `cycle_period` (null without it).
+
+    `nodes`: the Chebyshev nodes of the former per-scenario critical step sizes, kept in
+    the manifest only: `batch_critical_step_size` solves the exact characteristic
+    equation (theory/stability.md §7).
+
+    `processes`: the processes sharing the run (`dlbfluid._distributed`, the command
+    line's `--coordinator`...; default this one alone). Every process calls `verify` with
+    the same arguments and computes whole chunks; process 0 alone reads and writes
+    `out_dir`, shows progress and returns the summary (the others return `None`), equal
+    to a one-process run's.
+
+    `out_dir`: where the records are appended (`results.jsonl`, chunk by chunk) and the
+    summary written (`summary.json`); a rerun with the same `out_dir` resumes, computing
+    only the scenarios not yet there. The directory's manifest (`dlbfluid._manifest`,
+    `manifest.json`) records every argument that changes a number (`n_scenarios`,
+    `seed`, `n_cells`, `horizon`, `tick`, `step_fraction`, `conv_tol`, `nodes`, the
+    policies and the name of a custom `draw`; `generator`, a fingerprint of a given
+    `scenario`, `step_rule`, `ladder`, `tau_scales`, `step_base`, `worst_case` and
+    `starts` where they differ from their defaults) and the package version; `chunk` is not
+    among them (a scenario's record does not depend on its chunk, up to rounding: chunks
+    of 2, 3 and 4 gave identical records, a chunk of 1 differed by one ulp), so a resumed
+    run may use another.
+
+    **Raises:** `ValueError` when `out_dir` holds a run with other settings (naming each
+    changed field with its old and new value) or of another dlbfluid version, or
+    `results.jsonl` without a manifest (a run whose settings were not recorded); `out_dir`
+    is left untouched then.
+    """
+    cfg = _config(config, settings)
+    procs = Processes() if processes is None else processes
+    if scenario is not None and n_scenarios != 1:
+        raise ValueError(
+            f"n_scenarios = {n_scenarios!r} is invalid with a given scenario: expected 1"
+        )
+    if not (isinstance(n_scenarios, int) and n_scenarios >= 1):
+        raise ValueError(f"n_scenarios = {n_scenarios!r} is invalid: expected a positive value")
+    pols = flow_policies(cfg.policies)
+    path, done = _open(procs, out_dir, cfg, n_scenarios, seed, draw, scenario)
+    source = _source(cfg, draw, scenario)
+    t_start = time.perf_counter()
+    bar = None
+
+    def note(c, total):
+        # (a line between the policies of a chunk, so that a long chunk shows progress)
+        return lambda what: bar.update(len(done), note=f"chunk {c + 1}/{total}: {what}")
+
+    if not procs.main:
+        report = None
+    elif callable(progress):
+        report = progress
+    elif progress:
+        bar = Progress("verifying", n_scenarios, unit="scenarios")
+        report = lambda d, total, t0: bar.update(d, start=len(done))  # noqa: E731
+    else:
+        report = None
+    if report:
+        report(len(done), n_scenarios, t_start)
+    # A chunk wider than the run would only simulate padding; by default a short run gets
+    # at least four chunks, so that it shows progress before its end (records do not
+    # depend on the chunk).
+    chunk = cfg.chunk
+    chunk = min(DEFAULT_CHUNK, max(1, -(-n_scenarios // 4))) if chunk is None else chunk
+    chunk = min(chunk, n_scenarios)
+    todo = [i for i in range(n_scenarios) if i not in done]
+    chunks = [todo[c0 : c0 + chunk] for c0 in range(0, len(todo), chunk)]
+    opts = _records._Options(cfg.step_fraction, cfg.conv_tol, cfg.nodes, cfg.step_rule,
+                             cfg.ladder, cfg.tau_scales, cfg.step_base, cfg.search())  # fmt: skip
+    # Each process computes whole chunks, the next `procs.count` of them at a time (one
+    # each), so every scenario is computed in the chunk a one-process run gives it, and
+    # the results file grows in the same order.
+    for r0 in range(0, len(chunks), procs.count):
+        batch = chunks[r0 : r0 + procs.count]
+        mine = [
+            rec
+            for k in procs.share(len(batch))
+            for rec in _records._chunk_records(
+                batch[k], seed, source, pols, chunk, cfg.n_cells, cfg.tick, cfg.horizon,
+                cfg.ticks, opts, on_stage=note(r0 + k, len(chunks)) if bar is not None else None,
+            )
+        ]  # fmt: skip
+        shares = procs.gather(mine, "verify/chunk")
+        if shares is None:
+            continue
+        recs = [rec for share in shares for rec in share]
+        if path is not None:
+            _append(path, recs)
+        for rec in recs:
+            done[rec["index"]] = rec
+        if report:
+            report(len(done), n_scenarios, t_start)
+    if not procs.main:
+        return None
+    return _finish(cfg, done, n_scenarios, seed, out_dir, t_start,
+                   generated=scenario is None and draw is None)  # fmt: skip
+
+
+def _config(config: VerifyConfig | None, settings: dict) -> VerifyConfig:
+    """`config` with the keyword settings applied (a `TypeError` names an unknown one)."""
+    cfg = VerifyConfig() if config is None else config
+    if not isinstance(cfg, VerifyConfig):
+        raise ValueError(f"config = {config!r} is invalid: expected a VerifyConfig")
+    known = {f.name for f in dataclasses.fields(VerifyConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise TypeError(
+            f"verify() got unexpected keyword arguments {unknown}: allowed are the "
+            f"VerifyConfig fields {sorted(known)}"
+        )
+    if "policies" in settings and settings["policies"] is not None:
+        settings = {**settings, "policies": tuple(settings["policies"])}
+    return dataclasses.replace(cfg, **settings) if settings else cfg
+
+
+def _open(procs, out_dir, cfg: VerifyConfig, n_scenarios, seed, draw, scenario):
+    """`(results path or None, records already done)`: process 0 checks `out_dir`'s
+    manifest and reads what is done; the others learn what is left from it."""
+    path: Path | None = None
+    done: dict[int, dict] = {}
+    state: dict | None = None
+    if procs.main:
+        try:
+            if out_dir is not None:
+                config = cfg.manifest(n_scenarios, seed, draw=draw, scenario=scenario)
+                resumed = open_manifest(
+                    out_dir, "verify", config, labels=_FLAGS, results=("results.jsonl",)
+                )
+                path = Path(out_dir) / "results.jsonl"
+                done = _read_done(path)
+                if resumed:
+                    resume_note(out_dir, len(done), n_scenarios, "scenarios")
+        except ValueError as e:  # (told to every process: none starts)
+            state = {"error": str(e)}
+        else:
+            state = {"done": sorted(done)}
+    state = procs.broadcast(state, "verify/todo")
+    assert state is not None
+    if "error" in state:
+        raise ValueError(state["error"])
+    if not procs.main:  # (only which scenarios are done matters on the others)
+        done = {i: {} for i in state["done"]}
+    return path, done
+
+
+def _source(cfg: VerifyConfig, draw, scenario):
+    if scenario is not None:
+        given = dict(scenario)
+        return lambda sd, i: {**given, "index": i}
+    if draw is not None:
+        return draw
+    if cfg.generator == "appb":
+        return _AppB(cfg.n_cells)
+    n_cells = cfg.n_cells
+    return lambda sd, i: draw_scenario(sd, i, n_cells=n_cells)
+
+
+def _append(path: Path, recs: list[dict]) -> None:
+    with open(path, "a") as fh:
+        for rec in recs:
+            fh.write(json.dumps(rec) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _finish(cfg: VerifyConfig, done, n_scenarios, seed, out_dir, t_start, *, generated):
+    records = [done[i] for i in range(n_scenarios)]
+    summary = summarise(records)
+    summary.update(
+        seed=seed,
+        horizon=cfg.horizon,
+        tick=cfg.tick,
+        step_fraction=cfg.step_fraction,
+        conv_tol=cfg.conv_tol,
+        generator=cfg.generator if generated else None,
+        step_rule=cfg.step_rule,
+        step_base=cfg.step_base,
+        worst_case=cfg.worst_case,
+        starts=cfg.starts if cfg.worst_case else None,
+        ladder=cfg.ladder,
+        tau_scales=list(cfg.tau_scales) if cfg.ladder == "full" else None,
+        devices=[str(d) for d in jax.devices()],
+        wall_s=time.perf_counter() - t_start,
+    )
+    if out_dir is not None:
+        (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary["records"] = records
+    return summary
