@@ -231,6 +231,9 @@ def test_errors():
         critical_step_size(dl.scenario_from_dict(THREE), "flow-grad", method="symmetric")
     with pytest.raises(ValueError, match="window"):
         herding(scn, tick=0.1, horizon=1.0, window=0.0)
+    # the batched search's tunables are one object, `BatchSearch`, checked before any work
+    with pytest.raises(ValueError, match="search = 'fast' is invalid: expected a BatchSearch"):
+        dl.batch_critical_step_size(dl.stack_scenarios([scn]), "flow-grad", None, search="fast")
 
 
 # ----------------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ import numpy as np
 from .._defaults import STABILITY_NODES as DEFAULT_NODES
 from .._equilibrium import solve_equilibrium
 from .._scenario import Scenario
+from .base import NO_ROOT, AbstractStabilityMethod
 from .linearisation import _flow_policy, linearise
-from .methods import AbstractStabilityMethod, Auto, Nyquist, Pseudospectral, stability_method
-from .search import NO_ROOT, StabilityResult, result, say
+from .methods import Auto, stability_method
+from .pseudospectral import Pseudospectral
+from .search import StabilityResult, result, say
 from .symmetric import symmetric_parameters
 
 
@@ -42,7 +44,7 @@ def critical_step_size(
     **Arguments:**
     - `scenario`: one unbatched `Scenario`.
     - `policy`: `"flow-grad"`, `"flow-lat"`, `"flow-rif"` or a `FlowRouting`.
-    - `method`: a member of `AbstractStabilityMethod` (`methods.py`) or its name:
+    - `method`: a member of `AbstractStabilityMethod` or its name (`METHODS`):
       `"symmetric"` (`Symmetric`: closed form of theory/stability.md §2; needs one origin
       routing between two identical cells over equal delays), `"pseudospectral"`
       (`Pseudospectral`: any network; a dense eigenproblem of size $(M+1)d$ per test),
@@ -80,8 +82,8 @@ def critical_step_size(
     meth.check(lin, sym)
     if not lin.sources:
         # No routing freedom at equilibrium: the step size does not enter the linearisation.
-        label = "nyquist" if isinstance(meth, Nyquist) else "pseudospectral"
-        used = nodes if isinstance(method, str) else getattr(meth, "nodes", 0)
+        label, used = meth.no_crossing()
+        used = nodes if isinstance(method, str) else used  # a name: the nodes asked for
         return result(lin, pol, math.inf, label, NO_ROOT, used, tau_scale)
     eta, root, label, used = meth.solve(lin, sym, rtol=rtol, progress=progress)
     return result(lin, pol, eta, label, root, used, tau_scale)

@@ -10,17 +10,20 @@ and the batched one (`batched.py`) use. They differ only in how they sample the 
 the host the eigenvalues $\\nu_k(\\omega)$ of $H(i\\omega)$ on an adaptive grid shared by every
 $\\eta$ (`Loci`; $\\arg g = \\sum_k \\arg(1/\\eta - \\nu_k)$ up to a constant), in the batch
 $\\det$ itself on a refined fixed grid. `nyquist_eta` brackets and bisects $\\eta$ on $Z > 0$
-and polishes the crossing by Newton's method on the Hopf system.
+and polishes the crossing by Newton's method on the Hopf system; `Nyquist` is the member
+of the method family.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 
+from .base import NO_ROOT, AbstractStabilityMethod
 from .linearisation import CellLoop, Linearisation
-from .search import NO_ROOT, Steps, bracket
+from .search import Steps, begin, bracket
 from .threads import on_one_blas_thread, one_blas_thread
 
 
@@ -329,3 +332,29 @@ def nyquist_eta(
             lo = mid
     w, _ = loci.crossing_guess(hi, last[hi])
     return hi, complex(0.0, w)
+
+
+class Nyquist(AbstractStabilityMethod):
+    """The argument principle on the cell characteristic matrix (theory/stability.md §3.6;
+    `nyquist_eta`). `per_decade`: logarithmic frequencies per decade of the first grid;
+    `noise`: the relative rounding level of the eigenvalues of $H(i\\omega)$ below which
+    they count as zeros (the cells' own modes)."""
+
+    name: ClassVar[str] = "nyquist"
+    per_decade: int = 24
+    noise: float = 1e-13
+
+    @classmethod
+    def named(cls, nodes: int) -> Nyquist:
+        return cls()
+
+    def solve(self, lin: Linearisation, symmetric, *, rtol: float, progress: bool):
+        eta0, steps = begin(lin, self.name, progress)
+        eta, root = nyquist_eta(
+            lin, eta0, rtol, steps, per_decade=self.per_decade, noise=self.noise
+        )
+        steps.finish()
+        return eta, root, self.name, 0
+
+    def no_crossing(self) -> tuple[str, int]:
+        return self.name, 0

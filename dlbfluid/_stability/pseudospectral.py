@@ -5,12 +5,14 @@ Chebyshev collocation of the infinitesimal generator of the delay equation
 (`generator_matrix`), eigenvalues of the resulting matrix with the neutral constant states
 deflated (`Spectrum`), Newton refinement on the characteristic matrix $\\Delta(s)$, and
 Brent's method in $\\eta$ on the spectral abscissa (`bisect_eta`). A dense eigenproblem of
-size $(M+1)d$ per test: the reference method for small networks.
+size $(M+1)d$ per test: the reference method for small networks (`Pseudospectral`, the
+member of the method family).
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import scipy.linalg
@@ -18,8 +20,9 @@ import scipy.optimize
 
 from .._defaults import STABILITY_NODES as DEFAULT_NODES
 from .._scenario import Scenario
+from .base import NO_ROOT, AbstractStabilityMethod
 from .linearisation import Linearisation, _delta, linearise
-from .search import Steps, bracket
+from .search import Steps, begin, bracket
 from .threads import on_one_blas_thread
 
 
@@ -224,3 +227,33 @@ def bisect_eta(spec: Spectrum, eta0: float, rtol: float, steps: Steps):
         return lo
     steps.expect(12)
     return scipy.optimize.brentq(f, lo, hi, xtol=1e-300, rtol=rtol, maxiter=200)
+
+
+class Pseudospectral(AbstractStabilityMethod):
+    """Chebyshev collocation with `nodes` $= M$ nodes and Brent's method on the spectral
+    abscissa (theory/stability.md §3.1-3.5; `Spectrum`, `bisect_eta`)."""
+
+    name: ClassVar[str] = "pseudospectral"
+    nodes: int = DEFAULT_NODES
+
+    def __check_init__(self):
+        check_nodes(self.nodes)
+
+    @classmethod
+    def named(cls, nodes: int) -> Pseudospectral:
+        return cls(nodes=nodes)
+
+    def solve(self, lin: Linearisation, symmetric, *, rtol: float, progress: bool):
+        eta0, steps = begin(lin, self.name, progress)
+        spec = Spectrum(lin, self.nodes)
+        eta = bisect_eta(spec, eta0, rtol, steps)
+        root = NO_ROOT
+        if math.isfinite(eta) and eta > 0:
+            ev = spec.roots(eta)
+            top = ev[np.abs(ev.real - ev[0].real) <= 1e-8 * (1.0 + abs(ev[0]))]
+            root = complex(top[np.argmax(top.imag)])
+        steps.finish()
+        return eta, root, self.name, self.nodes
+
+    def no_crossing(self) -> tuple[str, int]:
+        return self.name, self.nodes

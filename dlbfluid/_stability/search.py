@@ -14,9 +14,6 @@ from .._progress import Progress
 from .linearisation import Linearisation
 from .symmetric import symmetric_critical_gain
 
-NO_ROOT = complex(math.nan, math.nan)
-"""The crossing root when there is none ($\\eta^*$ is 0 or infinite)."""
-
 
 class StabilityResult(eqx.Module):
     """The outcome of `critical_step_size`.
@@ -149,3 +146,13 @@ def result(lin, pol, eta, method, root, nodes, tau_scale) -> StabilityResult:
         tau_scale=float(tau_scale),
         linearisation=lin,
     )
+
+
+def begin(lin: Linearisation, name: str, progress: bool) -> tuple[float, Steps]:
+    """The start of a crossing search: its progress line, the initial guess and `Steps`."""
+    if progress:
+        say(
+            f"stability: linearised, {lin.dim} states, {len(lin.sources)} routing sources, "
+            f"{lin.delays.size} delays; {name} crossing search"
+        )
+    return initial_guess(lin), Steps(progress, f"stability ({name})", 8)

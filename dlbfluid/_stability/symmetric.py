@@ -4,14 +4,17 @@ With $u = \\delta N_1 - \\delta N_2$ and $y = \\delta x_1$ the linearisation has
 characteristic equation $s(s+a) + Ke^{-2\\tau s} = 0$, $a = \\mu'(N^*)$,
 $K = \\eta\\lambda f'(N^*)$; it is stable iff $2\\tau\\omega_c < \\arctan(a/\\omega_c)$,
 $\\omega_c^2 = (\\sqrt{a^4+4K^2} - a^2)/2$. `symmetric_parameters` recognises that structure
-in a `Linearisation`.
+in a `Linearisation`; `Symmetric` is the member of the method family that uses it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import scipy.optimize
+
+from .base import NO_ROOT, AbstractStabilityMethod
 
 
 def omega_c(a: float, K: float) -> float:
@@ -95,3 +98,34 @@ def symmetric_parameters(lin, rtol: float = 1e-10):
     if close(a[j], a[k]) and close(fp[j], fp[k]) and close(tau[i, j], tau[i, k]):
         return float(a[j]), float(fp[j]), float(lin.arrival_rate[i]), float(tau[i, j])
     return None
+
+
+class Symmetric(AbstractStabilityMethod):
+    """The closed form of theory/stability.md §2 (`symmetric_critical_step_size`) as a
+    method of `critical_step_size`: only for the structure `symmetric_parameters` finds."""
+
+    name: ClassVar[str] = "symmetric"
+
+    @classmethod
+    def named(cls, nodes: int) -> Symmetric:
+        return cls()
+
+    def check(self, lin, symmetric) -> None:
+        if symmetric is None:
+            raise ValueError(
+                "method = 'symmetric' is invalid for this scenario: the closed form needs "
+                "exactly one origin routing between two cells with equal mu'(N*), f'(N*) and "
+                "one-way delay (found routing sources "
+                f"{list(lin.sources)} with supports {[list(S) for S in lin.supports]}); "
+                "use method='pseudospectral'"
+            )
+
+    def solve(self, lin, symmetric, *, rtol: float, progress: bool):
+        self.check(lin, symmetric)
+        a, fp, lam, tau = symmetric
+        eta = symmetric_critical_step_size(a, fp, lam, tau)
+        root = complex(0.0, omega_c(a, eta * lam * fp)) if math.isfinite(eta) else NO_ROOT
+        return eta, root, self.name, 0
+
+    def no_crossing(self) -> tuple[str, int]:
+        return "pseudospectral", 0
