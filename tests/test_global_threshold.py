@@ -1,4 +1,4 @@
-"""The global step-size threshold eta_g (dlbfluid/_global_threshold.py, theory/global_threshold.md).
+"""The global step-size threshold eta_g (dlbfluid/_global_threshold/, theory/global_threshold.md).
 
 One search over a batch of three scenarios serves the module: the symmetric pair at
 tau = 0.5 (subcritical Hopf: a stable cycle of amplitude about 1.9 coexists with the stable
