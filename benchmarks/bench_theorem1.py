@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         out["critical_step_sizes"] = r = bench_critical(args.critical, args.chunk)
         H.log(
             f"critical step sizes of {r['scenarios']}: loop {r['before_s']:.1f} s, batched "
-            f"{r['after_s']:.2f} s ({r['speedup']:.1f}x), max rel diff {r['max_rel_diff']:.2g}"
+            f"{r['after_s']:.2f} s ({r['speedup']:.1f}x), max rel diff {r['max_rel_diff']}"
         )
     if args.verify:
         out["verify_ladder_none"] = r = bench_verify(
