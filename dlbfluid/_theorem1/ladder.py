@@ -258,6 +258,48 @@ def _after_peak(tad):
     return np.where(j[None, :] >= peak[:, None], tad, np.nan)
 
 
+def _describe(rec: dict, b, table, kinds, tad, Hs, scales, e1, ladder: Ladder, keep_points):
+    """Fill scenario `b`'s record from its ladder runs (`empirical_eta0`, the fits per delay
+    scale, the growth exponent, the points); returns the schedule's $c$, or `None` when
+    there is no schedule to run ($\\eta^*$ unavailable, or no fit)."""
+    if not math.isfinite(e1):
+        return None
+    mine = [k for k, (bb, _, _) in enumerate(table) if bb == b]
+    e0 = [k for k in mine if kinds[k] == "eta0"]
+    eta0 = empirical_eta0([table[k][2] for k in e0], window_ratio(Hs, tad[e0]))
+    rec["empirical_eta0"] = eta0
+    rec["empirical_eta0_over_eta_star"] = None if eta0 is None else eta0 / e1
+    Bs: dict = {}
+    for s in scales:
+        use = [k for k in mine if kinds[k] == "fixed" and table[k][1] == s]
+        if s == 1.0 and eta0 is not None:
+            use += [k for k in e0 if table[k][2] <= eta0 * (1 + 1e-12)]
+        T = np.repeat(Hs[None], len(use), axis=0)
+        eta = np.repeat(np.asarray([table[k][2] for k in use])[:, None], len(Hs), axis=1)
+        fit = fit_bound(T, eta, _after_peak(tad[use]))
+        Bs[s] = fit["B"]
+        if s == 1.0:
+            if fit["A"] is not None:
+                fit["delay_share"] = float(np.max(delay_share(fit, T, eta)))
+            rec["bound"] = fit
+    rec["g1_by_tau_scale"] = {str(s): Bs[s] for s in scales}
+    rec["g1_growth_exponent"] = growth_exponent(scales, [Bs[s] for s in scales])
+    if keep_points:
+        rec["points"] = [
+            {"kind": kinds[k], "tau_scale": table[k][1], "eta": table[k][2],
+             "T": Hs.tolist(), "distance": tad[k].tolist()}
+            for k in mine
+        ]  # fmt: skip
+    fit = rec["bound"]
+    if fit["A"] is None:
+        return None
+    # eta(T0) = c T0^(-1/2) at most schedule_cap eta*.
+    cap = ladder.schedule_cap * e1 * math.sqrt(Hs[0])
+    c = schedule_constant(fit, ladder.schedule_share, cap)
+    rec["schedule_c"] = c
+    return c
+
+
 def theorem1_ladder(
     scenario,
     policy: str,
@@ -336,45 +378,13 @@ def theorem1_ladder(
             "empirical_eta0_over_eta_star": None,
         }
         results.append(rec)
-        if not math.isfinite(e1):
+        c = _describe(rec, b, table, kinds, tad, Hs, scales, e1, ladder, keep_points)
+        if c is None:
             continue
-        mine = [k for k, (bb, _, _) in enumerate(table) if bb == b]
-        e0 = [k for k in mine if kinds[k] == "eta0"]
-        eta0 = empirical_eta0([table[k][2] for k in e0], window_ratio(Hs, tad[e0]))
-        rec["empirical_eta0"] = eta0
-        rec["empirical_eta0_over_eta_star"] = None if eta0 is None else eta0 / e1
-        Bs: dict = {}
-        for s in scales:
-            use = [k for k in mine if kinds[k] == "fixed" and table[k][1] == s]
-            if s == 1.0 and eta0 is not None:
-                use += [k for k in e0 if table[k][2] <= eta0 * (1 + 1e-12)]
-            T = np.repeat(Hs[None], len(use), axis=0)
-            eta = np.repeat(np.asarray([table[k][2] for k in use])[:, None], len(Hs), axis=1)
-            fit = fit_bound(T, eta, _after_peak(tad[use]))
-            Bs[s] = fit["B"]
-            if s == 1.0:
-                if fit["A"] is not None:
-                    fit["delay_share"] = float(np.max(delay_share(fit, T, eta)))
-                rec["bound"] = fit
-        rec["g1_by_tau_scale"] = {str(s): Bs[s] for s in scales}
-        rec["g1_growth_exponent"] = growth_exponent(scales, [Bs[s] for s in scales])
-        fit = rec["bound"]
-        if fit["A"] is None:
-            continue
-        # eta(T0) = c T0^(-1/2) at most schedule_cap eta*.
-        cap = ladder.schedule_cap * e1 * math.sqrt(Hs[0])
-        c = schedule_constant(fit, ladder.schedule_share, cap)
-        rec["schedule_c"] = c
         sched_of[b] = []
         for j in range(len(Hs)):
             sched_of[b].append(len(sched_table))
             sched_table.append((b, 1.0, c / math.sqrt(Hs[j])))
-        if keep_points:
-            rec["points"] = [
-                {"kind": kinds[k], "tau_scale": table[k][1], "eta": table[k][2],
-                 "T": Hs.tolist(), "distance": tad[k].tolist()}
-                for k in mine
-            ]  # fmt: skip
     sched = _runs(starts, equilibria, cost, policy, sched_table, horizon, tick, hidx)
     for b, rows in sched_of.items():
         rec = results[b]
