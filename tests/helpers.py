@@ -9,6 +9,8 @@ import copy
 
 import numpy as np
 
+import dlbfluid as dl
+
 # Three cells, unequal delays (none a multiple of the 0.05 s tick), two softplus cells.
 THREE = {
     "name": "three",
@@ -100,3 +102,19 @@ def random_scenario(rng: np.random.Generator, n: int, *, load=0.7, max_tau=0.2) 
     tau = 0.5 * (tau + tau.T)
     np.fill_diagonal(tau, 0.0)
     return {"name": f"random-{n}", "cells": cells, "latency": tau.tolist()}
+
+
+# Standard compiled shapes. The service laws of a scenario are static (each set of laws
+# compiles its own programs), so the catalogue scenarios below are built for both built-in
+# laws: the symmetric pair (M/M/1 only) and THREE (softplus and M/M/1), both 3 cells, then
+# share one compiled equilibrium solver per cost, one simulate per policy and tick, one
+# Theorem 1 check (`stack_scenarios(..., laws=LAWS)` does the same for a batch).
+LAWS = ("mm1", "softplus")
+
+
+def both_laws(d: dict, **kwargs):
+    """`scenario_from_dict(d, **kwargs)` with a service table that evaluates both built-in
+    laws (the cells' own laws are unchanged: a law a cell does not use is only selected
+    away)."""
+    s = dl.scenario_from_dict(d, **kwargs)
+    return dl.pad_scenario(s, s.n_cells, laws=LAWS, est_laws=LAWS)
