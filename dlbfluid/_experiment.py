@@ -8,7 +8,8 @@ An experiment is a list of *variants* (e.g. utilisation 0.5 ... 0.95); each vari
 whole `scenarios x trials` batch under each policy in one vmapped call. The unit of work is
 one `(variant, policy)` batch: its rows are appended to `results.csv` and fsync'ed
 together, so a killed run resumes at the first unit that is not complete, and a torn
-last unit is dropped and recomputed (never duplicated).
+last unit is dropped and recomputed (never duplicated): the resumable sweep
+`dlbfluid._runtime.Sweep` that `verify` runs too, with a `CsvRows` results file.
 
 With `model="requests"` (`ExperimentConfig.model`) every unit is simulated twice on the
 same batch and step sizes: by the fluid model, as above, and request by request
@@ -23,7 +24,6 @@ import csv
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import jax
@@ -46,6 +46,7 @@ from ._policies import MNLB, ErrorAverse, FlowRouting, policy_from_name
 from ._precision import require_x64
 from ._progress import Progress
 from ._requests import simulate_requests
+from ._runtime import CsvRows, Sweep
 from ._scenario import scenario_from_dict, stack_scenarios
 from ._simulate import simulate
 from ._stability import batch_critical_step_size
@@ -202,15 +203,8 @@ def _critical_step_sizes(batch, policy, eq) -> list[float | None]:
 
 
 def _read_rows(path: Path, columns: tuple[str, ...] = FIELDS) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        text = f.read()
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines = lines[:-1]  # a torn last line
-    rows = list(csv.DictReader(lines))
-    return [r for r in rows if None not in r.values() and len(r) == len(columns)]
+    """The complete rows of `path` (`CsvRows.read`: a torn last line left out)."""
+    return CsvRows(path, columns).read()
 
 
 def _complete_units(rows: list[dict], expected: int) -> dict[tuple[str, str], list[dict]]:
@@ -220,22 +214,9 @@ def _complete_units(rows: list[dict], expected: int) -> dict[tuple[str, str], li
     return {k: v for k, v in units.items() if len(v) == expected}
 
 
-def _rewrite(path: Path, rows: list[dict], columns: tuple[str, ...] = FIELDS) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns)
-        w.writeheader()
-        w.writerows(rows)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _append(path: Path, rows: list[dict], columns: tuple[str, ...] = FIELDS) -> None:
-    with open(path, "a", newline="") as f:
-        csv.DictWriter(f, fieldnames=columns).writerows(rows)
-        f.flush()
-        os.fsync(f.fileno())
+    """Append `rows` to `path` durably (`CsvRows.append`)."""
+    CsvRows(path, columns).append(rows)
 
 
 # ----------------------------------------------------------------------------------------
@@ -363,117 +344,44 @@ def run_experiment(
     cfg = config
     procs = Processes() if processes is None else processes
     out = Path(out_dir)
-    rpath = out / "results.csv"
-    expected = cfg.scenarios * cfg.trials
-    state: dict | None = None
-    if procs.main:
-        try:
-            done = _open_results(cfg, out)
-        except ValueError as e:  # (told to every process: none starts)
-            state = {"error": str(e)}
-        else:
-            state = {"done": [list(unit) for unit in done]}
-    state = procs.broadcast(state, "experiment/start")
-    assert state is not None
-    if "error" in state:
-        raise ValueError(state["error"])
-    finished = {tuple(unit) for unit in state["done"]}
-    variants = _variants(cfg.experiment)
+    results = CsvRows(out / "results.csv", fields(cfg))
+    sweep: Sweep[tuple] = Sweep(
+        procs, "experiment/start", "experiment/rows", results if procs.main else None
+    )
+    _, done = sweep.open(lambda: (None, [list(unit) for unit in _open_results(cfg, out)]))
+    finished = {tuple(unit) for unit in done}
     order = ["rand"] + [p for p in cfg.policies if p != "rand"]
-    units = [(v, o, p) for v, o in variants for p in order]
+    units = [(v, o, p) for v, o in _variants(cfg.experiment) for p in order]
     bar = Progress("experiment", len(units), enabled=progress and procs.main, unit="units")
-    ndone = sum((v, p) in finished for v, _, p in units)
-    bar.update(ndone, start=ndone)
-    aversion = ErrorAversion() if cfg.error_aversion else None
-    # The paper's MNLB is a separate, centralised system: no DLB error aversion unless asked.
-    mnlb_aversion = aversion if cfg.mnlb_error_aversion else None
-    part = procs.share(cfg.scenarios)
-    rows_part = range(part.start * cfg.trials, part.stop * cfg.trials)
+    ndone = [sum((v, p) in finished for v, _, p in units)]
+    bar.update(ndone[0], start=ndone[0])
     cache: dict = {}
-    for v, opts, p in units:
-        if (v, p) in finished:
-            continue
+
+    def batch_of(v: str, opts: dict):
+        # (the variants' units are consecutive: one batch at a time)
         if cache.get("variant") != v:
-            cache = {"variant": v, "batch": _variant_batch(cfg, opts)}
-        nominal, batch, util = cache["batch"]
-        pol = policy_from_name(p)
-        averse = aversion
-        if isinstance(pol, MNLB):
-            pol = MNLB(update_period=cfg.mnlb_period, utilisation_cap=cfg.mnlb_cap)
-            averse = mnlb_aversion
-        tick = opts.get("tick", cfg.tick)
-        flow = isinstance(pol, FlowRouting)
-        n_max = batch.n_cells
-        if flow:
-            eta_s = _step_sizes(cfg, nominal, p, procs)
-            eta_s = np.pad(eta_s, ((0, 0), (0, n_max - eta_s.shape[1])))
-        else:
-            eta_s = np.ones((cfg.scenarios, n_max))
-        eta = np.repeat(eta_s, cfg.trials, axis=0)
-        # (the results file's step size: the mean over a scenario's routers)
-        masks = np.asarray(batch.cell_mask)
-        eta_mean = (eta * masks).sum(axis=1) / masks.sum(axis=1)
-        bar.update(ndone, f"{v} {p}")
-        new = []
-        if len(rows_part):
-            # The sub-steps are chosen for the whole batch, as a one-process run does.
-            integrator = Fast().for_batch(batch, tick)
-            lo, hi = rows_part.start, rows_part.stop
-            whole = (lo, hi) == (0, expected)
-            mine = batch if whole else jax.tree_util.tree_map(lambda a: a[lo:hi], batch)
-            sol = _simulate_unit(cfg, mine, pol, eta[lo:hi], averse, integrator, tick)
-            lat = np.asarray(sol.mean_latency(window=1.0))
-            err = np.asarray(sol.error_rate(window=1.0))
-            status = sol.status_names()
-            n_cells = np.asarray(batch.cell_mask).sum(axis=-1)
-            if cfg.model == "requests":
-                fluid = (lat, err, status)
-                lat, p90, err, status = _simulate_requests_unit(
-                    cfg, mine, pol, eta[lo:hi], averse, tick
-                )
-            for b, k in enumerate(rows_part):
-                s, t = divmod(k, cfg.trials)
-                # A "success" with a non-finite latency (e.g. nothing served) is reported
-                # as such.
-                ok_lat = status[b] != "success" or math.isfinite(lat[b])
-                state_k = status[b] if ok_lat else "nonfinite"
-                ok = state_k == "success"
-                extra = {}
-                if cfg.model == "requests":
-                    f_lat, f_err, f_status = fluid
-                    f_state = f_status[b] if math.isfinite(f_lat[b]) else "nonfinite"
-                    f_ok = f_state == "success"
-                    extra = {
-                        "p90_latency": f"{p90[b]:.10g}" if ok else "",
-                        "fluid_mean_latency": f"{f_lat[b]:.10g}" if f_ok else "",
-                        "fluid_error_rate": f"{f_err[b]:.10g}" if f_ok else "",
-                        "fluid_status": f_state,
-                    }
-                new.append(
-                    {
-                        "experiment": cfg.experiment,
-                        "variant": v,
-                        "policy": p,
-                        "scenario": s,
-                        "trial": t,
-                        "n_cells": int(n_cells[k]),
-                        "utilisation": f"{util[s]:.6g}",
-                        "step_size": f"{eta_mean[k]:.6g}" if flow else "",
-                        "mean_latency": f"{lat[b]:.10g}" if ok else "",
-                        "error_rate": f"{err[b]:.10g}" if ok else "",
-                        "status": state_k,
-                        **extra,
-                    }
-                )
-        shares = procs.gather(new, "experiment/rows")
-        if shares is not None:
-            _append(rpath, [row for share in shares for row in share], fields(cfg))
-        ndone += 1
-        bar.update(ndone, f"{v} {p}")
+            cache.clear()
+            cache.update(variant=v, batch=_variant_batch(cfg, opts))
+        return cache["batch"]
+
+    def compute(unit, _position) -> list[dict]:
+        shown = lambda: bar.update(ndone[0], f"{unit[0]} {unit[2]}")  # noqa: E731
+        return _unit_rows(cfg, unit, batch_of(unit[0], unit[1]), procs, shown)
+
+    def stored(batch, _rows) -> None:
+        ndone[0] += 1
+        bar.update(ndone[0], f"{batch[-1][0]} {batch[-1][2]}")
+
+    todo = [(v, o, p) for v, o, p in units if (v, p) not in finished]
+    sweep.run(todo, compute, stored, whole_units=False)
     if not procs.main:
         return None
-    rows = _read_rows(rpath, fields(cfg))
-    summary = summarise(rows, order, cfg.model)
+    return _finish(cfg, out, results, order)
+
+
+def _finish(cfg: ExperimentConfig, out: Path, results: CsvRows, order: list[str]) -> dict:
+    """Write `summary.csv`, `summary.json` and the plot from `results`; the summary."""
+    summary = summarise(results.read(), order, cfg.model)
     with open(out / "summary.csv", "w", newline="") as f:
         if summary:
             w = csv.DictWriter(f, fieldnames=list(summary[0]))
@@ -489,6 +397,104 @@ def run_experiment(
         f"{cfg.experiment}{level}: {cfg.scenarios} scenarios x {cfg.trials} trials",
     )
     return result
+
+
+# ----------------------------------------------------------------------------------------
+# One unit: a (variant, policy) batch
+# ----------------------------------------------------------------------------------------
+
+
+def _unit_policy(cfg: ExperimentConfig, name: str):
+    """`(policy, error aversion or None)` of a unit. The paper's MNLB is a separate,
+    centralised system: no DLB error aversion unless asked (`mnlb_error_aversion`)."""
+    aversion = ErrorAversion() if cfg.error_aversion else None
+    pol = policy_from_name(name)
+    if isinstance(pol, MNLB):
+        pol = MNLB(update_period=cfg.mnlb_period, utilisation_cap=cfg.mnlb_cap)
+        return pol, aversion if cfg.mnlb_error_aversion else None
+    return pol, aversion
+
+
+def _unit_rows(cfg: ExperimentConfig, unit, variant_batch, procs: Processes, shown) -> list:
+    """This process's rows of `unit = (variant, options, policy)`: its share of the
+    scenarios (all their trials) simulated (`_simulate_unit`, and `_simulate_requests_unit`
+    at request level) on the variant's batch `variant_batch` (`_variant_batch`), with the
+    batch-wide choices (sub-steps, the median step size) made on the whole batch. `shown()`
+    reports the unit as started."""
+    v, opts, p = unit
+    nominal, batch, util = variant_batch
+    pol, averse = _unit_policy(cfg, p)
+    tick = opts.get("tick", cfg.tick)
+    flow = isinstance(pol, FlowRouting)
+    n_max = batch.n_cells
+    if flow:
+        eta_s = _step_sizes(cfg, nominal, p, procs)
+        eta_s = np.pad(eta_s, ((0, 0), (0, n_max - eta_s.shape[1])))
+    else:
+        eta_s = np.ones((cfg.scenarios, n_max))
+    eta = np.repeat(eta_s, cfg.trials, axis=0)
+    # (the results file's step size: the mean over a scenario's routers)
+    masks = np.asarray(batch.cell_mask)
+    eta_mean = (eta * masks).sum(axis=1) / masks.sum(axis=1)
+    shown()
+    part = procs.share(cfg.scenarios)
+    lo, hi = part.start * cfg.trials, part.stop * cfg.trials
+    if lo == hi:
+        return []
+    # The sub-steps are chosen for the whole batch, as a one-process run does.
+    integrator = Fast().for_batch(batch, tick)
+    whole = (lo, hi) == (0, cfg.scenarios * cfg.trials)
+    mine = batch if whole else jax.tree_util.tree_map(lambda a: a[lo:hi], batch)
+    sol = _simulate_unit(cfg, mine, pol, eta[lo:hi], averse, integrator, tick)
+    runs = {
+        "lat": np.asarray(sol.mean_latency(window=1.0)),
+        "err": np.asarray(sol.error_rate(window=1.0)),
+        "status": sol.status_names(),
+    }
+    if cfg.model == "requests":
+        fluid = {f"f_{k}": a for k, a in runs.items()}
+        lat, p90, err, status = _simulate_requests_unit(cfg, mine, pol, eta[lo:hi], averse, tick)
+        runs = {"lat": lat, "p90": p90, "err": err, "status": status, **fluid}
+    n_cells = masks.sum(axis=-1)
+    common = {"experiment": cfg.experiment, "variant": v, "policy": p}
+    return [
+        _row(cfg, common, divmod(k, cfg.trials), {key: a[b] for key, a in runs.items()},
+             int(n_cells[k]), util, f"{eta_mean[k]:.6g}" if flow else "")
+        for b, k in enumerate(range(lo, hi))
+    ]  # fmt: skip
+
+
+def _row(cfg: ExperimentConfig, common: dict, st, run: dict, n_cells: int, util, step) -> dict:
+    """One `results.csv` row: scenario and trial `st`, its run's numbers `run` (`lat`,
+    `err`, `status`; at request level also `p90` and the fluid run's `f_lat`, `f_err`,
+    `f_status`)."""
+    s, t = st
+    # A "success" with a non-finite latency (e.g. nothing served) is reported as such.
+    ok_lat = run["status"] != "success" or math.isfinite(run["lat"])
+    state = run["status"] if ok_lat else "nonfinite"
+    ok = state == "success"
+    extra = {}
+    if cfg.model == "requests":
+        f_state = run["f_status"] if math.isfinite(run["f_lat"]) else "nonfinite"
+        f_ok = f_state == "success"
+        extra = {
+            "p90_latency": f"{run['p90']:.10g}" if ok else "",
+            "fluid_mean_latency": f"{run['f_lat']:.10g}" if f_ok else "",
+            "fluid_error_rate": f"{run['f_err']:.10g}" if f_ok else "",
+            "fluid_status": f_state,
+        }
+    return {
+        **common,
+        "scenario": s,
+        "trial": t,
+        "n_cells": n_cells,
+        "utilisation": f"{util[s]:.6g}",
+        "step_size": step,
+        "mean_latency": f"{run['lat']:.10g}" if ok else "",
+        "error_rate": f"{run['err']:.10g}" if ok else "",
+        "status": state,
+        **extra,
+    }
 
 
 def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], list[dict]]:
@@ -532,13 +538,12 @@ def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], lis
     )
     if not cpath.exists():
         cpath.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
-    rpath = out / "results.csv"
-    rows = _read_rows(rpath, fields(cfg))
+    results = CsvRows(out / "results.csv", fields(cfg))
+    rows = results.read()
     done = _complete_units(rows, cfg.scenarios * cfg.trials)
     kept = [r for unit in done.values() for r in unit]
-    torn = rpath.exists() and not rpath.read_text().endswith("\n")  # a half-written line
-    if len(kept) != len(rows) or torn or not rpath.exists():
-        _rewrite(rpath, kept, fields(cfg))  # drop a torn unit (and write the header of a new file)
+    if len(kept) != len(rows) or results.torn() or not results.path.exists():
+        results.rewrite(kept)  # drop a torn unit (and write the header of a new file)
     if resumed:
         total = len(_variants(cfg.experiment)) * len(cfg.policies)
         resume_note(out, len(done), total, "units")

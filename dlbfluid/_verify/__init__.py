@@ -1,7 +1,7 @@
 """Batch verification of Theorem 1 over random scenarios (`verify`; theory/lyapunov.md,
 *Batch verification*): the settings (`config`), the scenario sources (`networks`), one
-chunk's records (`records`), the results file and summary (`summary`), and the resumable
-verb (`verb`)."""
+chunk's records (`records`), the summary (`summary`), and the verb (`verb`), a resumable sweep
+(`dlbfluid._runtime.Sweep`)."""
 
 from .config import _FLAGS as _FLAGS
 from .config import DEFAULT_CHUNK as DEFAULT_CHUNK

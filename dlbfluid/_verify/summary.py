@@ -1,36 +1,11 @@
-"""`verify`'s results file and summary: the records already written (a torn last line
-dropped), and per policy Theorem 1's verdict, the thresholds and the diagnostics."""
+"""`verify`'s summary: per policy Theorem 1's verdict, the thresholds and the
+diagnostics (the results file is `dlbfluid._runtime.JsonLines`)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 
 import numpy as np
-
-
-def _read_done(path: Path) -> dict[int, dict]:
-    """Records already written; a torn last line (killed mid-write) is dropped."""
-    done: dict[int, dict] = {}
-    if not path.exists():
-        return done
-    lines = path.read_text().splitlines()
-    good = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "index" in rec and rec["index"] not in done:
-            done[rec["index"]] = rec
-            good.append(line)
-    if len(good) != len(lines):  # rewrite without the torn or duplicated lines
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(x + "\n" for x in good))
-        os.replace(tmp, path)
-    return done
 
 
 def _quantiles(v) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,10 +22,11 @@ import jax
 from .._distributed import Processes
 from .._manifest import open_manifest, resume_note
 from .._progress import Progress
+from .._runtime import JsonLines, Sweep
 from . import records as _records
 from .config import _FLAGS, DEFAULT_CHUNK, VerifyConfig, flow_policies
 from .networks import _AppB, draw_scenario
-from .summary import _read_done, summarise
+from .summary import summarise
 
 
 def verify(
@@ -120,63 +120,71 @@ def verify(
     if not (isinstance(n_scenarios, int) and n_scenarios >= 1):
         raise ValueError(f"n_scenarios = {n_scenarios!r} is invalid: expected a positive value")
     pols = flow_policies(cfg.policies)
-    path, done = _open(procs, out_dir, cfg, n_scenarios, seed, draw, scenario)
+    sweep, done = _open(procs, out_dir, cfg, n_scenarios, seed, draw, scenario)
     source = _source(cfg, draw, scenario)
     t_start = time.perf_counter()
-    bar = None
-
-    def note(c, total):
-        # (a line between the policies of a chunk, so that a long chunk shows progress)
-        return lambda what: bar.update(len(done), note=f"chunk {c + 1}/{total}: {what}")
-
-    if not procs.main:
-        report = None
-    elif callable(progress):
-        report = progress
-    elif progress:
-        bar = Progress("verifying", n_scenarios, unit="scenarios")
-        report = lambda d, total, t0: bar.update(d, start=len(done))  # noqa: E731
-    else:
-        report = None
+    bar, report = _progress(procs, progress, n_scenarios, len(done))
     if report:
         report(len(done), n_scenarios, t_start)
-    # A chunk wider than the run would only simulate padding; by default a short run gets
-    # at least four chunks, so that it shows progress before its end (records do not
-    # depend on the chunk).
-    chunk = cfg.chunk
-    chunk = min(DEFAULT_CHUNK, max(1, -(-n_scenarios // 4))) if chunk is None else chunk
-    chunk = min(chunk, n_scenarios)
-    todo = [i for i in range(n_scenarios) if i not in done]
-    chunks = [todo[c0 : c0 + chunk] for c0 in range(0, len(todo), chunk)]
+    chunk_size = _chunk_size(cfg, n_scenarios)
+    chunks = _chunks(cfg, n_scenarios, done)
     opts = _records._Options(cfg.step_fraction, cfg.conv_tol, cfg.nodes, cfg.step_rule,
                              cfg.ladder, cfg.tau_scales, cfg.step_base, cfg.search())  # fmt: skip
-    # Each process computes whole chunks, the next `procs.count` of them at a time (one
-    # each), so every scenario is computed in the chunk a one-process run gives it, and
-    # the results file grows in the same order.
-    for r0 in range(0, len(chunks), procs.count):
-        batch = chunks[r0 : r0 + procs.count]
-        mine = [
-            rec
-            for k in procs.share(len(batch))
-            for rec in _records._chunk_records(
-                batch[k], seed, source, pols, chunk, cfg.n_cells, cfg.tick, cfg.horizon,
-                cfg.ticks, opts, on_stage=note(r0 + k, len(chunks)) if bar is not None else None,
+
+    def compute(idx: list[int], c: int) -> list[dict]:
+        # (a line between the policies of a chunk, so that a long chunk shows progress)
+        note = None
+        if bar is not None:
+            note = lambda what: bar.update(  # noqa: E731
+                len(done), note=f"chunk {c + 1}/{len(chunks)}: {what}"
             )
-        ]  # fmt: skip
-        shares = procs.gather(mine, "verify/chunk")
-        if shares is None:
-            continue
-        recs = [rec for share in shares for rec in share]
-        if path is not None:
-            _append(path, recs)
+        return _records._chunk_records(
+            idx, seed, source, pols, chunk_size, cfg.n_cells, cfg.tick, cfg.horizon,
+            cfg.ticks, opts, on_stage=note,
+        )  # fmt: skip
+
+    def stored(_chunks, recs: list[dict]) -> None:
         for rec in recs:
             done[rec["index"]] = rec
         if report:
             report(len(done), n_scenarios, t_start)
+
+    # Each process computes whole chunks, the next `procs.count` of them at a time (one
+    # each), so every scenario is computed in the chunk a one-process run gives it, and
+    # the results file grows in the same order.
+    sweep.run(chunks, compute, stored, whole_units=True)
     if not procs.main:
         return None
     return _finish(cfg, done, n_scenarios, seed, out_dir, t_start,
                    generated=scenario is None and draw is None)  # fmt: skip
+
+
+def _progress(procs: Processes, progress, n_scenarios: int, n_done: int):
+    """`(bar or None, report(done, total, t0) or None)`: process 0's progress."""
+    if not procs.main:
+        return None, None
+    if callable(progress):
+        return None, progress
+    if progress:
+        bar = Progress("verifying", n_scenarios, unit="scenarios")
+        return bar, lambda d, total, t0: bar.update(d, start=n_done)
+    return None, None
+
+
+def _chunk_size(cfg: VerifyConfig, n_scenarios: int) -> int:
+    """`cfg.chunk`, at most the run: a chunk wider than the run would only simulate
+    padding; by default a short run gets at least four chunks, so that it shows progress
+    before its end (records do not depend on the chunk)."""
+    chunk = cfg.chunk
+    chunk = min(DEFAULT_CHUNK, max(1, -(-n_scenarios // 4))) if chunk is None else chunk
+    return min(chunk, n_scenarios)
+
+
+def _chunks(cfg: VerifyConfig, n_scenarios: int, done) -> list[list[int]]:
+    """The scenarios left to compute, in chunks of `_chunk_size`."""
+    chunk = _chunk_size(cfg, n_scenarios)
+    todo = [i for i in range(n_scenarios) if i not in done]
+    return [todo[c0 : c0 + chunk] for c0 in range(0, len(todo), chunk)]
 
 
 def _config(config: VerifyConfig | None, settings: dict) -> VerifyConfig:
@@ -197,33 +205,29 @@ def _config(config: VerifyConfig | None, settings: dict) -> VerifyConfig:
 
 
 def _open(procs, out_dir, cfg: VerifyConfig, n_scenarios, seed, draw, scenario):
-    """`(results path or None, records already done)`: process 0 checks `out_dir`'s
-    manifest and reads what is done; the others learn what is left from it."""
-    path: Path | None = None
-    done: dict[int, dict] = {}
-    state: dict | None = None
-    if procs.main:
-        try:
-            if out_dir is not None:
-                config = cfg.manifest(n_scenarios, seed, draw=draw, scenario=scenario)
-                resumed = open_manifest(
-                    out_dir, "verify", config, labels=_FLAGS, results=("results.jsonl",)
-                )
-                path = Path(out_dir) / "results.jsonl"
-                done = _read_done(path)
-                if resumed:
-                    resume_note(out_dir, len(done), n_scenarios, "scenarios")
-        except ValueError as e:  # (told to every process: none starts)
-            state = {"error": str(e)}
-        else:
-            state = {"done": sorted(done)}
-    state = procs.broadcast(state, "verify/todo")
-    assert state is not None
-    if "error" in state:
-        raise ValueError(state["error"])
+    """`(the sweep, records already done)`: process 0 checks `out_dir`'s manifest and
+    reads what is done (`JsonLines`); the others learn from it which scenarios are done
+    (their records are empty there)."""
+    path = None if out_dir is None or not procs.main else Path(out_dir) / "results.jsonl"
+    results = None if path is None else JsonLines(path)
+    sweep: Sweep[list[int]] = Sweep(procs, "verify/todo", "verify/chunk", results)
+
+    def read_done():
+        if results is None:
+            return {}, []
+        config = cfg.manifest(n_scenarios, seed, draw=draw, scenario=scenario)
+        resumed = open_manifest(
+            out_dir, "verify", config, labels=_FLAGS, results=("results.jsonl",)
+        )
+        done = results.read()
+        if resumed:
+            resume_note(out_dir, len(done), n_scenarios, "scenarios")
+        return done, sorted(done)
+
+    done, keys = sweep.open(read_done)
     if not procs.main:  # (only which scenarios are done matters on the others)
-        done = {i: {} for i in state["done"]}
-    return path, done
+        done = {i: {} for i in keys}
+    return sweep, done
 
 
 def _source(cfg: VerifyConfig, draw, scenario):
@@ -236,14 +240,6 @@ def _source(cfg: VerifyConfig, draw, scenario):
         return _AppB(cfg.n_cells)
     n_cells = cfg.n_cells
     return lambda sd, i: draw_scenario(sd, i, n_cells=n_cells)
-
-
-def _append(path: Path, recs: list[dict]) -> None:
-    with open(path, "a") as fh:
-        for rec in recs:
-            fh.write(json.dumps(rec) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _finish(cfg: VerifyConfig, done, n_scenarios, seed, out_dir, t_start, *, generated):
