@@ -249,6 +249,42 @@ def test_negative_control_wrong_thresholds(honest_runs):
         assert bool(np.all(np.asarray(_recheck(r, b).estimate_holds)))
 
 
+def test_negative_controls_of_the_integral_estimates(honest_runs):
+    """The three integral estimates, each made to fail on the far starts (runs 1 and 4):
+    - `mixed_delay`: routings scaled tenfold (off the simplex) over the last 5 s
+      (measured 1.0-22.5 against K1 = 0.35-5);
+    - `bounded_part`: W and Kb 10^4 times too small (honest runs are 100-500 times under
+      this bound: measured 1.4-48 against 218-46,000);
+    - `tail`: a workload spike in the cell the pair's router favours, and the router
+      switching to the other cell on the next tick, so that the spike's tail enters through
+      the old routing at once and through the new one a delay later, with opposite signs:
+      about h lambda e(spike) against the quarter of h D(spike) the estimate allows."""
+    r = honest_runs
+    for b in (1, 4):
+        x = np.asarray(r["sol"].x[b]).copy()
+        x[-50:] *= 10.0
+        sol = jax.tree_util.tree_map(lambda a: a[b], r["sol"])
+        s, eq = r["scns"][b], r["eqs"][b]
+        eta = float(np.asarray(r["consts"].eta0)[b])
+        chk = theorem1_check(dataclasses.replace(sol, x=jnp.asarray(x)), s, eq, cost=r["cost"],
+                             step_size=eta)[2]  # fmt: skip
+        assert not bool(chk.estimate_holds[IDX["mixed_delay"]]), b
+        c = jax.tree_util.tree_map(lambda a: a[b], r["consts"])
+        small = dataclasses.replace(c, W=c.W * 1e-4, Kb=c.Kb * 1e-4)
+        chk = _recheck(r, b, consts=small)
+        assert not bool(chk.estimate_holds[IDX["bounded_part"]]), b
+        assert bool(np.all(np.asarray(_recheck(r, b).estimate_holds)))
+    N = np.asarray(r["sol"].N[1]).copy()
+    x = np.asarray(r["sol"].x[1]).copy()
+    N[20, 1] = 1e4
+    x[21:, 0] = [0.0, 0.0, 1.0]
+    sol = dataclasses.replace(jax.tree_util.tree_map(lambda a: a[1], r["sol"]),
+                              N=jnp.asarray(N), x=jnp.asarray(x))  # fmt: skip
+    eta = float(np.asarray(r["consts"].eta0)[1])
+    chk = theorem1_check(sol, r["scns"][1], r["eqs"][1], cost=r["cost"], step_size=eta)[2]
+    assert not bool(chk.estimate_holds[IDX["tail"]]), np.asarray(chk.estimate_measured)
+
+
 def test_outside_the_hypothesis_is_labelled_not_judged(honest_runs):
     """A run at 100 eta0 is outside the hypothesis: `in_hypothesis` is False and the
     record's `holds` is null, while the bound is still reported (as a reference)."""
