@@ -18,6 +18,7 @@ __version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from ._aversion import ErrorAversion as ErrorAversion
+    from ._cache import enable_compilation_cache as enable_compilation_cache
     from ._costs import RIF as RIF
     from ._costs import AbstractCost as AbstractCost
     from ._costs import Gradient as Gradient

@@ -4,7 +4,8 @@ Every `dlbfluid` command compiles its programs for the shapes at hand; JAX's per
 compilation cache keeps the compiled programs on disk, so that the second call of a
 command with the same shapes loads them instead (the all-costs `equilibrium` of the
 default scenario: 29 s cold, a few seconds warm). The command line turns it on by
-default; the Python API leaves JAX's configuration to the user.
+default (`enable_from_environment`); the Python API leaves JAX's configuration to the user,
+who turns the same cache on with one call, `dlbfluid.enable_compilation_cache()`.
 
 Where: `$DLBFLUID_CACHE_DIR` if set (`off`, `0` or an empty value: no cache), else
 JAX's own `$JAX_COMPILATION_CACHE_DIR` if set, else `$XDG_CACHE_HOME/dlbfluid/jax`
@@ -37,8 +38,45 @@ def cache_dir(environ=None) -> Path | None:
     return Path(base) / "dlbfluid" / "jax"
 
 
-def enable_compilation_cache(environ=None, stream=None) -> Path | None:
-    """Point JAX's persistent compilation cache at `cache_dir()`; returns it (None: off)."""
+def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> Path | None:
+    """Keep compiled programs on disk, so that a new process loads them instead of compiling.
+
+    JAX compiles each program for the shapes at hand in every new process; its persistent
+    compilation cache stores the compiled programs in a directory and looks them up there
+    first. The Python API leaves it off (it changes JAX's global configuration); this one
+    call turns it on, with the command line's settings: every program is kept, however
+    short its compile (`jax_persistent_cache_min_compile_time_secs = 0`). Call it once,
+    after the imports and before the first computation. (README, *Compilation cache*.)
+
+    **Arguments:**
+    - `path`: the directory (created if missing). Default: the command line's,
+      `$DLBFLUID_CACHE_DIR`, else `$JAX_COMPILATION_CACHE_DIR`, else
+      `$XDG_CACHE_HOME/dlbfluid/jax` (`~/.cache/dlbfluid/jax`), so that the API and
+      `dlbfluid` share their programs.
+
+    **Returns:** the directory in use, or None when `path` is not given and
+    `DLBFLUID_CACHE_DIR` says `off`.
+
+    **Raises:** `ValueError` naming `path` when the directory cannot be created.
+    """
+    where = cache_dir() if path is None else Path(path).expanduser()
+    if where is None:
+        return None
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"path = {str(where)!r} is invalid: the directory cannot be created "
+            f"({e.strerror or e}); expected a writable directory"
+        ) from None
+    _use(where, reopen=True)
+    return where
+
+
+def enable_from_environment(environ=None, stream=None) -> Path | None:
+    """The command line's cache: JAX's persistent compilation cache at `cache_dir()`;
+    returns it (None: off). A directory that cannot be created leaves the cache off, with
+    one line on `stream` (stderr)."""
     path = cache_dir(environ)
     if path is None:
         return None
@@ -51,9 +89,17 @@ def enable_compilation_cache(environ=None, stream=None) -> Path | None:
             file=sys.stderr if stream is None else stream,
         )
         return None
-    import jax
+    _use(path)
+    return path
 
+
+def _use(path: Path, *, reopen: bool = False) -> None:
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if reopen and getattr(jax.config, "jax_compilation_cache_dir", None) != str(path):
+        # JAX opens its cache once, at the first compile: a new directory needs it reopened.
+        compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path

@@ -394,7 +394,8 @@ def _finish(cfg: ExperimentConfig, out: Path, results: CsvRows, order: list[str]
         summary,
         out / f"{cfg.experiment}.png",
         title=f"dlbfluid experiment "
-        f"{cfg.experiment}{level}: {cfg.scenarios} scenarios x {cfg.trials} trials",
+        f"{cfg.experiment}{level}: {cfg.scenarios} scenario{'s' * (cfg.scenarios != 1)} x "
+        f"{cfg.trials} trial{'s' * (cfg.trials != 1)}",
     )
     return result
 

@@ -42,7 +42,7 @@ def test_uncreatable_cache_dir_leaves_the_cache_off(tmp_path):
         def write(self, s):
             lines.append(s)
 
-    got = _cache.enable_compilation_cache({"DLBFLUID_CACHE_DIR": str(blocker / "sub")}, Stream())
+    got = _cache.enable_from_environment({"DLBFLUID_CACHE_DIR": str(blocker / "sub")}, Stream())
     assert got is None
     text = "".join(lines)
     assert "compilation cache off" in text and "DLBFLUID_CACHE_DIR" in text and str(blocker) in text

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from . import _demo, _simulate
+from ._common import OneLineErrors
 
 _COMMANDS = [_simulate, _demo]
 # The command that takes every core as a CPU device (`dlbfluid.use_cpu_cores`) when it runs
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The DLB fluid model of distributed load balancing for GenAI inference: "
         "delayed routing dynamics, equilibria and convergence diagnostics, in JAX.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrors)
     sub.required = True
     mods = list(_COMMANDS)
     for name in ("_equilibrium", "_stability", "_verify", "_experiment"):
@@ -73,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from .. import enable_x64
-    from .._cache import enable_compilation_cache
+    from .._cache import enable_from_environment
     from .._exported import exporting
 
     enable_x64()
-    cache = enable_compilation_cache()
+    cache = enable_from_environment()
     procs = None
     try:
         if args.command in _CORE_COMMANDS and _one_process(args):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -182,8 +183,6 @@ def check_out_dir(path: str | None, flag: str = "--out") -> Path | None:
     """Check, before any work, that `path` is (or can be made) a writable directory:
     creates it and returns it, or raises `ValueError` naming `flag`, the value and what is
     allowed (an existing file, an uncreatable or unwritable directory)."""
-    import os
-
     if path is None:
         return None
     out = Path(path)
@@ -280,14 +279,46 @@ def warn(command: str, message: str) -> None:
 def doing(command: str, what: str) -> None:
     """One line on stderr saying what a command is about to compute, and whether it may
     compile first (the persistent cache, `dlbfluid._cache`, makes a second call with the
-    same shapes load its programs instead): a slow first call never runs silently."""
+    same shapes load its programs instead): a slow first call never runs silently, and a
+    warm one does not claim to compile."""
     import jax
 
-    cache = getattr(jax.config, "jax_compilation_cache_dir", None)
-    where = f"compiled programs cached in {cache}" if cache else "compilation cache off"
     print(
-        f"dlbfluid {command}: {what} (compiles on first use; {where})", file=sys.stderr, flush=True
+        f"dlbfluid {command}: {what} "
+        f"({compile_note(getattr(jax.config, 'jax_compilation_cache_dir', None))})",
+        file=sys.stderr,
+        flush=True,
     )
+
+
+def compile_note(cache: str | None) -> str:
+    """Whether a command's programs compile or come from the compilation cache `cache`:
+    off, empty (a first run: everything compiles) or holding programs (a later run: loaded,
+    only shapes not seen before compile)."""
+    if not cache:
+        return "compiles first: the compilation cache is off"
+    try:
+        with os.scandir(cache) as entries:
+            warm = any(e.is_file() for e in entries)
+    except OSError:
+        warm = False
+    if not warm:
+        return f"compiles first; a second run loads the programs from {cache}"
+    return f"programs loaded from the cache in {cache}; shapes not seen before compile first"
+
+
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """`1 trial`, `2 trials` (`many` when the plural is not `word + 's'`)."""
+    return f"{count} {word if count == 1 else (many or word + 's')}"
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A sub-command's parser whose option errors are one line on stderr (exit status 2),
+    `dlbfluid VERB: error: argument --X: ...`, pointing at `--help` rather than printing
+    the whole usage block before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
 def table(rows: list[list], header: list[str]) -> str:

@@ -13,20 +13,7 @@ from ._common import (
     seed_int,
     table,
 )
-
-# ExperimentConfig's fields that are command-line options, for its messages.
-_FLAGS = {
-    "scenarios": "--scenarios",
-    "trials": "--trials",
-    "seed": "--seed",
-    "horizon": "--horizon",
-    "tick": "--tick",
-    "step_fraction": "--step-fraction",
-    "step_rule": "--step-rule",
-    "policies": "--policies",
-    "model": "--model",
-    "service": "--service",
-}
+from ._flags import EXPERIMENT, relabel
 
 
 def register(sub) -> None:
@@ -169,11 +156,7 @@ def _config(args):
             service=args.service or "markov",
         )
     except ValueError as e:
-        msg = str(e)
-        field = msg.split(" ", 1)[0].rstrip(":")
-        if field in _FLAGS:
-            msg = _FLAGS[field] + msg[len(field) :]
-        raise ValueError(msg) from None
+        raise relabel(e, EXPERIMENT) from None
 
 
 def run(args) -> int:

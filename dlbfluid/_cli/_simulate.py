@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from .._defaults import SIMULATE_HORIZON
 from ._common import (
     SEED_MAX,
     add_process_options,
@@ -21,6 +22,7 @@ from ._common import (
     emit_json,
     fraction,
     load_scenario_arg,
+    plural,
     positive_float,
     positive_int,
     step_size_warning,
@@ -28,6 +30,7 @@ from ._common import (
     warn,
     write_json,
 )
+from ._flags import SIMULATE_REQUESTS, relabel
 
 
 def add_integrator_options(p: argparse.ArgumentParser) -> None:
@@ -122,7 +125,7 @@ def register(sub) -> None:
     g.add_argument(
         "--seed", default=None, metavar="S", help="the random stream, in [0, 2**63) (default 0)"
     )
-    add_run_options(p, horizon=100.0)
+    add_run_options(p, horizon=SIMULATE_HORIZON)
     p.add_argument(
         "--window",
         type=fraction("window"),
@@ -163,18 +166,24 @@ MODELS = ("fluid", "requests")
 """`--model`: the fluid model, or the request-level twin."""
 SERVICES = ("markov", "servers")
 """`--service`: the request-level cells (`simulate_requests(service=...)`)."""
-# simulate_requests' argument names in its messages, and the options that set them.
-_REQUEST_FLAGS = {
-    "service": "--service",
-    "scale": "--scale",
-    "trials": "--trials",
-    "seed": "--seed",
-    "horizon": "--horizon",
-    "tick": "--tick",
-    "warmup": "--window",
-    "n_save": "--n-save",
-    "step_size": "--step-size",
-}
+SETTLED = 0.01
+"""A run counts as settled when no workload swings by more than this fraction of the
+largest final workload (at least 1 request) over the last 25% of the horizon."""
+
+
+def unsettled_note(oscillation: float, final_N) -> str | None:
+    """What to say when the run ends before its workloads settle (`SETTLED`): a transient
+    still decaying, or a sustained oscillation; None when settled."""
+    scale = max(1.0, float(np.max(np.abs(np.asarray(final_N)))))
+    if not oscillation > SETTLED * scale:  # (NaN: the status says what went wrong)
+        return None
+    return (
+        f"not settled: a workload still swings by {oscillation:.3g} ({oscillation / scale:.1%} "
+        "of the largest) over the last 25% of the horizon: a transient still decaying (a "
+        "longer --horizon) or a sustained oscillation (discrete routing herds; a flow "
+        "--step-size above eta*)"
+    )
+
 
 STEP_RATIO_WARN = 1.0
 """`simulate` warns when a flow policy's step size exceeds this multiple of $\\eta^*$."""
@@ -301,7 +310,10 @@ def run(args) -> int:
                 f"step size eta* = {check['critical_step_size']:.3g} of the linearised model "
                 "(dlbfluid stability): expect oscillation, not convergence",
             )
-    doing("simulate", f"simulating {args.policy} for {int(round(ticks))} ticks of {args.tick:g} s")
+    doing(
+        "simulate",
+        f"simulating {args.policy} for {plural(int(round(ticks)), 'tick')} of {args.tick:g} s",
+    )
     t0 = time.perf_counter()
     sol = simulate(
         scn,
@@ -316,6 +328,9 @@ def run(args) -> int:
     )
     wall = time.perf_counter() - t0
     summary = sol.summary(args.window)
+    unsettled = unsettled_note(summary["oscillation"], summary["final"]["N"])
+    if unsettled and summary["status"] == "success":
+        warn("simulate", unsettled)
     summary["scenario"] = scn.name
     summary["step_size"] = args.step_size
     summary["step_size_check"] = check
@@ -352,15 +367,6 @@ def run(args) -> int:
     return 0 if summary["status"] == "success" else 1
 
 
-def _flagged(e: ValueError) -> ValueError:
-    """`simulate_requests`' message with its argument's name replaced by the option's."""
-    msg = str(e)
-    field = msg.split(" ", 1)[0]
-    if field in _REQUEST_FLAGS:
-        msg = _REQUEST_FLAGS[field] + msg[len(field) :]
-    return ValueError(msg)
-
-
 def run_requests(args, req: dict) -> int:
     """`--model requests`: `simulate_requests(..., throw=False)` for every `--policy` on
     the same `--trials` random streams, statistics over the `--window` (the warm-up is the
@@ -385,7 +391,7 @@ def run_requests(args, req: dict) -> int:
         doing(
             "simulate",
             f"simulating {pol} request by request ({req['service']} cells, scale "
-            f"{req['scale']}, {req['trials']} trials of {K} ticks of {args.tick:g} s)",
+            f"{req['scale']}, {plural(req['trials'], 'trial')} of {plural(K, 'tick')} of {args.tick:g} s)",
         )
         try:
             sol = simulate_requests(
@@ -403,7 +409,7 @@ def run_requests(args, req: dict) -> int:
                 throw=False,
             )
         except ValueError as e:
-            raise _flagged(e) from None
+            raise relabel(e, SIMULATE_REQUESTS) from None
         results[pol] = sol.summary()
         arrays["t"] = np.asarray(sol.t)
         arrays[f"count_{pol}"] = np.asarray(sol.count)
@@ -444,7 +450,7 @@ def _g(v, scale: float = 1.0) -> str:
 def _print_requests(summary: dict, args) -> None:
     print(
         f"scenario {summary['scenario']!r}, request level ({summary['service']} cells, scale "
-        f"{summary['scale']}), {summary['trials']} trials, seed {summary['seed']}, eta "
+        f"{summary['scale']}), {plural(summary['trials'], 'trial')}, seed {summary['seed']}, eta "
         f"{summary['step_size']}, tick {summary['tick']} s, horizon {summary['horizon']} s"
     )
     print(

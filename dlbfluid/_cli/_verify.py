@@ -283,5 +283,5 @@ def run(args) -> int:
             ],
         )
     )
-    print(f"wall time {res['wall_s']:.1f} s", file=sys.stderr)
+    print(f"dlbfluid verify: wall time {res['wall_s']:.1f} s", file=sys.stderr)
     return 0
