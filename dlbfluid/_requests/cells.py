@@ -35,6 +35,12 @@ class AbstractCells(eqx.Module):
         of the cells (for kinds that draw per-request quantities)."""
 
     @abc.abstractmethod
+    def refresh(self, state):
+        """The state at the start of a tick, once per tick and trial (before its events):
+        kinds that draw per-request quantities draw a tick's block of them here, from
+        their own key, so that no event calls the random generator."""
+
+    @abc.abstractmethod
     def count(self, state) -> Int[Array, " n"]:
         """Requests present in each cell."""
 

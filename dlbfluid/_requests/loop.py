@@ -352,10 +352,12 @@ def run_tick(tr: Trial, k, st: LoopState, running):
 
 def _draw(tr: Trial, st: LoopState) -> LoopState:
     """A fresh block of uniforms for the tick's events (drawn at once: one call of the
-    generator per tick instead of one per event)."""
+    generator per tick instead of one per event), and the cells' own block
+    (`AbstractCells.refresh`)."""
     key, sub = jr.split(st.key)
     u = jr.uniform(sub, (tr.events, 5), st.uniforms.dtype)
-    return dataclasses.replace(st, key=key, uniforms=u, used=jnp.zeros_like(st.used))
+    cells = tr.cells.refresh(st.cells)
+    return dataclasses.replace(st, key=key, uniforms=u, used=jnp.zeros_like(st.used), cells=cells)
 
 
 def _batched(f):

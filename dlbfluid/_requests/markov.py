@@ -44,6 +44,9 @@ class MarkovCells(AbstractCells):
         count = jnp.minimum(counts, self.slots).astype(jnp.int32)
         return MarkovState(jnp.zeros((n, self.slots), dtype), count), over
 
+    def refresh(self, state):
+        return state
+
     def count(self, state):
         return state.count
 

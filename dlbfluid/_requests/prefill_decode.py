@@ -3,6 +3,8 @@ token counts (theory/requests.md, *App.-B cell*)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
@@ -25,7 +27,10 @@ class PrefillDecodeState(eqx.Module):
     `s_origin` `(n, S, D)` each slot's end of decode ($+\\infty$ when free) and request;
     `s_busy` `(n, S)` busy slots.
     **Other:** `nxt` `(n, S)` each server's next event time (a cache of
-    $\\min(p_{done}, \\min_d s_{done})$); `key` the PRNG key of the token draws.
+    $\\min(p_{done}, \\min_d s_{done})$); `tokens` `(A, 3)` the tick's block of draws
+    (prompt tokens, output tokens, a unit exponential), `drawn` its rows used by
+    admissions; `key` the PRNG key of the draws; `read` `(3,)` the values the event's
+    completion read from the prefill rings (see `admit`).
     """
 
     p_origin: Float[Array, "n S Q"]
@@ -42,7 +47,10 @@ class PrefillDecodeState(eqx.Module):
     s_origin: Float[Array, "n S D"]
     s_busy: Int[Array, "n S"]
     nxt: Float[Array, "n S"]
+    tokens: Float[Array, "A 3"]
+    drawn: Int[Array, ""]
     key: Array
+    read: Float[Array, " 3"]
 
 
 class PrefillDecodeCells(AbstractCells):
@@ -73,7 +81,8 @@ class PrefillDecodeCells(AbstractCells):
     `decode_token_time` `(n,)` $t_p$, $t_d$ (s/token), `decode_slots` `(n,)`,
     `exponential`, `rate` `(n,)`, `prefill_bound` `(n,)` (the stage whose busy fraction
     is the utilisation), `workload`; static `max_servers` $S$, `queue` $Q$ (requests a
-    server holds; one more is an overflow), `max_slots` $D$.
+    server holds; one more is an overflow), `max_slots` $D$, `block` $A$ (token draws per
+    tick: the loop's `events`, which bounds a tick's admissions).
     """
 
     servers: Int[Array, " n"]
@@ -87,15 +96,19 @@ class PrefillDecodeCells(AbstractCells):
     max_servers: int = eqx.field(static=True)
     queue: int = eqx.field(static=True)
     max_slots: int = eqx.field(static=True)
+    block: int = eqx.field(static=True)
 
-    def _work(self, key, j, shape):
-        """Prefill and decode times of requests of cell(s) `j` (broadcast to `shape`)."""
+    def _draw(self, key, shape):
+        """`(prompt, output, exponential)`: token counts $P$, $D$ and a unit exponential."""
         w = self.workload
         dtype = self.prefill_token_time.dtype
         kp, ko, ke = jr.split(key, 3)
         prompt = w.prompt_shift + w.prompt_scale * jr.gamma(kp, w.prompt_shape, shape, dtype)
         output = w.output_shift + w.output_scale * jr.gamma(ko, w.output_shape, shape, dtype)
-        expo = jr.exponential(ke, shape, dtype)
+        return prompt, output, jr.exponential(ke, shape, dtype)
+
+    def _work(self, j, prompt, output, expo):
+        """Prefill and decode times of requests of cell(s) `j` from their draws."""
         rate = jnp.where(self.exponential[j], self.rate[j], 1.0)
         pw = jnp.where(self.exponential[j], expo / rate, prompt * self.prefill_token_time[j])
         dw = jnp.where(self.exponential[j], 0.0, output * self.decode_token_time[j])
@@ -112,7 +125,7 @@ class PrefillDecodeCells(AbstractCells):
         size = jnp.minimum(size, Q).astype(jnp.int32)
         cell = jnp.arange(n)[:, None, None]
         key, sub = jr.split(key)
-        pw, dw = self._work(sub, cell, (n, S, Q))
+        pw, dw = self._work(cell, *self._draw(sub, (n, S, Q)))
         pw, dw = pw.astype(dtype), dw.astype(dtype)
         p_done = jnp.where(size > 0, pw[:, :, 0], jnp.inf).astype(dtype)
         zi = jnp.zeros((n, S), jnp.int32)
@@ -132,9 +145,17 @@ class PrefillDecodeCells(AbstractCells):
             s_origin=jnp.zeros((n, S, D), dtype),
             s_busy=zi,
             nxt=p_done,
+            tokens=jnp.zeros((self.block, 3), dtype),
+            drawn=jnp.zeros((), jnp.int32),
             key=key,
+            read=jnp.zeros(3, dtype),
         )
         return state, over
+
+    def refresh(self, state):
+        key, sub = jr.split(state.key)
+        tokens = jnp.stack(self._draw(sub, (self.block,)), axis=-1).astype(state.tokens.dtype)
+        return dataclasses.replace(state, tokens=tokens, drawn=jnp.zeros_like(state.drawn), key=key)
 
     def _load(self, state):
         return state.p_size + state.w_size + state.s_busy
@@ -162,14 +183,18 @@ class PrefillDecodeCells(AbstractCells):
         s = jnp.argmin(jnp.where(valid, load, jnp.iinfo(jnp.int32).max))
         full = (load[s] >= Q) | ~valid[s]
         do = ok & ~full
-        new_key, sub = jr.split(state.key)
-        # (the key advances only with an admission: a trial's draws must not depend on how
-        # many idle iterations the other trials of its batch make it run)
-        key = jnp.where(do, new_key, state.key)
-        pw, dw = self._work(sub, j, ())
+        # The tick's next row of draws (a tick admits fewer requests than it has events; the
+        # row index advances only with an admission, so that a trial's draws do not depend
+        # on how many idle iterations the other trials of its batch make it run).
+        row = state.tokens[jnp.minimum(state.drawn, self.block - 1)]
+        pw, dw = self._work(j, row[0], row[1], row[2])
         size = state.p_size[j, s]
         # (an index past the ring drops the write)
         slot = jnp.where(do, (state.p_head[j, s] + size) % Q, Q)
+        # The writes into the prefill rings must come after the event's completion read
+        # them: their index depends on the values read (`read`, never NaN), so that XLA
+        # updates the rings in place instead of copying them every event.
+        slot = jnp.where(jnp.isnan(jnp.sum(state.read)), Q, slot)
         start = do & (size == 0)
         p_done = jnp.where(start, t + pw, state.p_done[j, s])
         return PrefillDecodeState(
@@ -187,7 +212,10 @@ class PrefillDecodeCells(AbstractCells):
             s_origin=state.s_origin,
             s_busy=state.s_busy,
             nxt=state.nxt.at[j, s].set(jnp.minimum(state.nxt[j, s], p_done)),
-            key=key,
+            tokens=state.tokens,
+            drawn=state.drawn + do.astype(jnp.int32),
+            key=state.key,
+            read=state.read,
         ), ok & full
 
     def complete(self, state, j, u, t, ok):
@@ -209,7 +237,8 @@ class PrefillDecodeCells(AbstractCells):
         h, ps = state.p_head[j, s], state.p_size[j, s]
         o_p, dw = state.p_origin[j, s, h], state.p_decode[j, s, h]
         nh = (h + 1) % Q
-        p_done = jnp.where(is_p, jnp.where(ps > 1, t + state.p_work[j, s, nh], jnp.inf), pd)
+        next_work = state.p_work[j, s, nh]
+        p_done = jnp.where(is_p, jnp.where(ps > 1, t + next_work, jnp.inf), pd)
         to_decode = is_p & (dw > 0)
         free = (jnp.arange(self.max_slots) < self.decode_slots[j]) & ~jnp.isfinite(sd_row)
         f = jnp.argmax(free)
@@ -237,15 +266,21 @@ class PrefillDecodeCells(AbstractCells):
             p_head=state.p_head.at[j, s].set(jnp.where(is_p, nh, h)),
             p_size=state.p_size.at[j, s].add(-is_p.astype(jnp.int32)),
             p_done=state.p_done.at[j, s].set(p_done),
-            w_origin=state.w_origin.at[j, s, w_slot].set(o_p, mode="drop"),
-            w_work=state.w_work.at[j, s, w_slot].set(dw, mode="drop"),
+            # (each written value depends on the read of its ring: the write stays in place)
+            w_origin=state.w_origin.at[j, s, w_slot].set(
+                jnp.where(into_wait, o_p, o_w), mode="drop"
+            ),
+            w_work=state.w_work.at[j, s, w_slot].set(jnp.where(into_wait, dw, dw_w), mode="drop"),
             w_head=state.w_head.at[j, s].set(jnp.where(take, (wh + 1) % Q, wh)),
             w_size=state.w_size.at[j, s].add(into_wait.astype(jnp.int32) - take.astype(jnp.int32)),
             s_done=state.s_done.at[j, s].set(s_done),
             s_origin=state.s_origin.at[j, s].set(s_orig),
             s_busy=state.s_busy.at[j, s].add(busy),
             nxt=state.nxt.at[j, s].set(jnp.minimum(p_done, jnp.min(s_done))),
+            tokens=state.tokens,
+            drawn=state.drawn,
             key=state.key,
+            read=jnp.stack([o_p, dw, next_work]),
         )
         leaving = jnp.where(is_d, so_row[d], o_p)
         left = (is_p & (dw <= 0)) | is_d

@@ -54,6 +54,9 @@ class FifoServers(AbstractCells):
         zeros = jnp.zeros((n, S), jnp.int32)
         return ServersState(jnp.zeros((n, S, self.queue), dtype), zeros, size), over
 
+    def refresh(self, state):
+        return state
+
     def count(self, state):
         return jnp.sum(state.size, axis=-1)
 

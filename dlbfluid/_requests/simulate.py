@@ -125,6 +125,7 @@ def _prefill_decode(scn, scale, cfg: _Config) -> PrefillDecodeCells:
         max_servers=cfg.max_servers,
         queue=cfg.slots,
         max_slots=cfg.max_slots,
+        block=cfg.events,
     )
 
 
