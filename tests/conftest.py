@@ -2,6 +2,7 @@ import os
 import sys
 
 import jax
+import pytest
 
 # Reference comparisons run in float64, and importing dlbfluid leaves JAX's configuration
 # alone (tests/test_import_side_effects.py checks both in fresh processes).
@@ -44,3 +45,24 @@ _FIRST = ("test_notebooks.py", "test_examples.py", "test_distributed.py", "test_
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))
+
+
+@pytest.fixture(scope="session")
+def catalogue_equilibrium():
+    """`get(name, cost) -> (scenario, equilibrium)` for the catalogue's symmetric pair
+    ("pair", tau = 0.5) and 3-cell network ("three") of tests/helpers.py, built for both
+    service laws (`helpers.both_laws`: one compiled solver per cost for both) and solved
+    once per session (per xdist worker)."""
+    from helpers import THREE, both_laws, symmetric_pair
+
+    from dlbfluid import solve_equilibrium
+
+    done: dict = {}
+
+    def get(name: str, cost: str):
+        if (name, cost) not in done:
+            s = both_laws({"pair": symmetric_pair(0.5), "three": THREE}[name])
+            done[name, cost] = (s, solve_equilibrium(s, cost))
+        return done[name, cost]
+
+    return get

@@ -5,7 +5,7 @@ import copy
 import jax
 import numpy as np
 import pytest
-from helpers import THREE, random_scenario
+from helpers import THREE, both_laws, random_scenario
 
 import dlbfluid as dl
 from dlbfluid._equilibrium import solve_equilibrium
@@ -19,9 +19,8 @@ from dlbfluid._lyapunov import (
 
 
 @pytest.fixture(scope="module")
-def three():
-    s = dl.scenario_from_dict(THREE)
-    return s, solve_equilibrium(s, "gradient")
+def three(catalogue_equilibrium):
+    return catalogue_equilibrium("three", "gradient")
 
 
 def _diag(s, eq, cost, policy, eta, h, T):
@@ -56,7 +55,7 @@ def test_drift_on_random_trajectories_and_slackness_sign():
     first-order bound and S_i >= 0 (complementary slackness of the reference point)."""
     rng = np.random.default_rng(3)
     for cost, policy in (("latency", "flow-lat"), ("rif", "flow-rif")):
-        s = dl.scenario_from_dict(random_scenario(rng, 3, load=0.7, max_tau=0.15))
+        s = both_laws(random_scenario(rng, 3, load=0.7, max_tau=0.15))
         eq = solve_equilibrium(s, cost)
         d = _diag(s, eq, cost, policy, 0.2, 0.02, 20.0)
         assert float(d.drift_excess.max()) < 2.5 * 0.02 * max(1.0, float(d.R[0] + d.Phi[0]))

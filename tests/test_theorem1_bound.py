@@ -3,8 +3,8 @@ the chain*): the thresholds against closed forms, the delay-scaling exponents th
 predicts, the bound and every estimate on honest trajectories inside the hypothesis, and
 a negative control for each estimate and for the bound.
 
-Every run here has 3 cells, 100 s at h = 0.05 s (2000 ticks): one compiled simulate, one
-compiled check per cost."""
+Every scenario here has 3 cells and both service laws (`helpers.both_laws`), so the pair
+and the 3-cell network share one compiled solver, check and simulate per cost."""
 
 import copy
 import dataclasses
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import THREE, symmetric_pair
+from helpers import THREE, both_laws, symmetric_pair
 
 import dlbfluid as dl
 from dlbfluid._costs import cost_from_name
@@ -41,14 +41,13 @@ def _three_scaled(s):
 
 
 @pytest.mark.parametrize("cost", list(COSTS))
-def test_thresholds_on_the_symmetric_pair_match_closed_forms(cost):
+def test_thresholds_on_the_symmetric_pair_match_closed_forms(cost, catalogue_equilibrium):
     """Pair (lambda = 1, mubar = 1, tau = 0.5): v = 1, 2 v tau = 1, Lambda = 1,
     Delta mu = 1/2, so (P2) binds with eps = Delta mu / (16 Lambda) = 1/32:
     gradient (1+N)^2: N_bar = 1/(sqrt(1+eps) - 1) - 1; latency 1+N: N_bar = 1/eps - 1;
     RIF N: N_bar = 1/eps. Then eta0 = Delta mu / (32 * 2 * tau * (B + g)) with
     B = f(N_bar + 1), and G1 = 8 * 2 * tau * (B + g) * (g + f(N_bar))."""
-    s = dl.scenario_from_dict(symmetric_pair(0.5))
-    eq = dl.solve_equilibrium(s, cost)
+    s, eq = catalogue_equilibrium("pair", cost)
     c = theorem1_constants(s, eq, cost=cost)
     eps = 1.0 / 32.0
     f = {"gradient": lambda N: (1 + N) ** 2, "latency": lambda N: 1 + N, "rif": lambda N: N}[cost]
@@ -68,16 +67,14 @@ def test_thresholds_on_the_symmetric_pair_match_closed_forms(cost):
     assert fN(lo + 1.0) > (1 + eps) * fN(lo)
 
 
-def test_threshold_search_on_softplus_cells():
+def test_threshold_search_on_softplus_cells(catalogue_equilibrium):
     """On the 3-cell network (two softplus cells) the searched N_bar is where (P1) and (P2)
     start to hold for good: both hold on a dense grid from N_bar (1 + 1e-9) up to
     10^4 N_bar, and one fails within a relative 10 THRESHOLD_RTOL below it (latency and
     gradient costs; the predicate written out here from the cost and the service rate)."""
-    s = dl.scenario_from_dict(THREE)
-    Lam = float(np.sum(np.asarray(s.arrival_rate(0.0))))  # every arc allowed
-
     for cost in ("latency", "gradient"):
-        eq = dl.solve_equilibrium(s, cost)
+        s, eq = catalogue_equilibrium("three", cost)
+        Lam = float(np.sum(np.asarray(s.arrival_rate(0.0))))  # every arc allowed
         c = theorem1_constants(s, eq, cost=cost)
         cst = cost_from_name(cost)
         N_star = jnp.asarray(eq.N)
@@ -112,7 +109,7 @@ def test_constants_scale_with_the_delays_as_the_chain_predicts(make, exps):
     for cost, d in exps.items():
         G, E = [], []
         for sc in scales:
-            s = dl.scenario_from_dict(make(sc))
+            s = both_laws(make(sc))
             c = theorem1_constants(s, dl.solve_equilibrium(s, cost), cost=cost)
             G.append(float(c.G1))
             E.append(float(c.eta0))
@@ -141,16 +138,15 @@ def _starts(s, N_star):
 
 
 @pytest.fixture(scope="module", params=list(COSTS))
-def honest_runs(request):
+def honest_runs(request, catalogue_equilibrium):
     """Per cost: the pair and the 3-cell network, each from a cold, a far and the ladder
     start, at eta = eta0 (inside the hypothesis), as one batch; the constants, start
     terms and checks of the batch."""
     cost = request.param
     pol = COSTS[cost]
     scns, eqs = [], []
-    for d in (symmetric_pair(0.5), THREE):
-        s = dl.scenario_from_dict(d)
-        eq = dl.solve_equilibrium(s, cost)
+    for name in ("pair", "three"):
+        s, eq = catalogue_equilibrium(name, cost)
         one = dl.stack_scenarios([s])
         ladder = ladder_start(one, cost, jax.tree_util.tree_map(lambda a: a[None], eq))
         lad = dataclasses.replace(
@@ -301,7 +297,7 @@ def test_outside_the_hypothesis_is_labelled_not_judged(honest_runs):
 
 def _cold_pair():
     """The pair (tau 0.5) started empty with every request sent to the left cell."""
-    s = dl.scenario_from_dict(symmetric_pair(0.5))
+    s = both_laws(symmetric_pair(0.5))
     return dataclasses.replace(
         s,
         initial_workload=jnp.zeros(3),
