@@ -381,68 +381,19 @@ def fit_latency_model(
     K = N.shape[-1]
     if K < _N_PARAMS:
         raise ValueError(f"n_samples = {K} is invalid: expected >= {_N_PARAMS} samples per cell")
-    if _is_concrete(N, y):
-        Nn, yn = np.asarray(N), np.asarray(y)
-        if not (np.all(np.isfinite(Nn)) and np.all(Nn >= 0)):
-            idx = np.argwhere(~(np.isfinite(Nn) & (Nn >= 0)))[0]
-            raise ValueError(
-                f"N contains {float(Nn[tuple(idx)])!r} at index {tuple(idx.tolist())}: "
-                "expected finite workloads >= 0"
-            )
-        if not np.all(Nn.max(axis=-1) > 0):
-            raise ValueError(
-                "N is invalid: a cell has all workloads 0; expected max(N) > 0 per cell "
-                "(the knee and slope are not identifiable from one workload)"
-            )
-        if not (np.all(np.isfinite(yn)) and np.all(yn > 0)):
-            idx = np.argwhere(~(np.isfinite(yn) & (yn > 0)))[0]
-            raise ValueError(
-                f"latency contains {float(yn[tuple(idx)])!r} at index {tuple(idx.tolist())}: "
-                "expected finite latencies > 0"
-            )
+    _check_samples(N, y)
     cells = N.shape[:-1]
     Nf, yf = N.reshape(-1, K), y.reshape(-1, K)
     if init is None:
         r_init = jnp.zeros((Nf.shape[0], _N_PARAMS), Nf.dtype)
-        use_init = False
     else:
-        if not isinstance(init, ServiceModel) or init.capacity.shape != cells:
-            raise ValueError(
-                f"init = {type(init).__name__} of shape "
-                f"{getattr(getattr(init, 'capacity', None), 'shape', None)} is invalid: "
-                f"expected a softplus ServiceModel of the cells' shape {cells}"
-            )
-        if _is_concrete(init.model) and not bool(jnp.all(init.model == code("softplus"))):
-            raise ValueError(
-                f"init.model = {np.asarray(init.model).tolist()} is invalid: expected softplus "
-                f"cells (code {code('softplus')}) only"
-            )
-        th = jnp.stack([v.reshape(-1) for v in theta_from_service(init)], axis=-1)
-        positive = jnp.all(th[:, 0] > 0) & jnp.all(th[:, 1] > 0) & jnp.all(th[:, 3] > 0)
-        if _is_concrete(positive) and not bool(positive):
-            raise ValueError(
-                "init is invalid: expected a0 = base_latency - knee/capacity > 0, capacity > 0 "
-                "and width > 0 in every cell"
-            )
-        n_scale = jnp.max(Nf, axis=-1)
-        y_scale = jnp.exp(jnp.mean(jnp.log(yf), axis=-1))
-        th_n = jnp.stack(
-            [
-                th[:, 0] / y_scale,
-                th[:, 1] * n_scale / y_scale,
-                jnp.maximum(th[:, 2], 0.0) / n_scale,
-                th[:, 3] / n_scale,
-            ],
-            axis=-1,
-        )
-        r_init = _raw_from_theta(th_n)
-        use_init = True
+        r_init = _raw_init(init, cells, Nf, yf)
     # Every option travels as an array: one compilation per data shape.
     theta, f, gnorm, k, status = _fit_batch(
         Nf,
         yf,
         r_init,
-        jnp.asarray(use_init),
+        jnp.asarray(init is not None),
         jnp.asarray(steps, jnp.int32),
         jnp.asarray(polish_steps, jnp.int32),
         jnp.asarray(learning_rate),
@@ -498,3 +449,64 @@ def perturb_service(service: ServiceModel, eps: float, seed, *, return_xi: bool 
     eps = _check_number("eps", eps, lo=0.0, hi=1.0)
     out, xi = _perturb(service, _key(seed), jnp.asarray(eps))
     return (out, xi) if return_xi else out
+
+
+def _check_samples(N, y) -> None:
+    """`ValueError` unless the (concrete) samples are finite, the workloads >= 0 with a
+    positive one per cell, and the latencies > 0 (traced samples are not checked)."""
+    if not _is_concrete(N, y):
+        return
+    Nn, yn = np.asarray(N), np.asarray(y)
+    if not (np.all(np.isfinite(Nn)) and np.all(Nn >= 0)):
+        idx = np.argwhere(~(np.isfinite(Nn) & (Nn >= 0)))[0]
+        raise ValueError(
+            f"N contains {float(Nn[tuple(idx)])!r} at index {tuple(idx.tolist())}: "
+            "expected finite workloads >= 0"
+        )
+    if not np.all(Nn.max(axis=-1) > 0):
+        raise ValueError(
+            "N is invalid: a cell has all workloads 0; expected max(N) > 0 per cell "
+            "(the knee and slope are not identifiable from one workload)"
+        )
+    if not (np.all(np.isfinite(yn)) and np.all(yn > 0)):
+        idx = np.argwhere(~(np.isfinite(yn) & (yn > 0)))[0]
+        raise ValueError(
+            f"latency contains {float(yn[tuple(idx)])!r} at index {tuple(idx.tolist())}: "
+            "expected finite latencies > 0"
+        )
+
+
+def _raw_init(init, cells: tuple, Nf, yf):
+    """The raw parameters `(cells, 4)` of a given start `init` (a softplus `ServiceModel`
+    of shape `cells`, checked), in the normalised units of the flattened samples `Nf`,
+    `yf` (unit workload range, unit geometric-mean latency)."""
+    if not isinstance(init, ServiceModel) or init.capacity.shape != cells:
+        raise ValueError(
+            f"init = {type(init).__name__} of shape "
+            f"{getattr(getattr(init, 'capacity', None), 'shape', None)} is invalid: "
+            f"expected a softplus ServiceModel of the cells' shape {cells}"
+        )
+    if _is_concrete(init.model) and not bool(jnp.all(init.model == code("softplus"))):
+        raise ValueError(
+            f"init.model = {np.asarray(init.model).tolist()} is invalid: expected softplus "
+            f"cells (code {code('softplus')}) only"
+        )
+    th = jnp.stack([v.reshape(-1) for v in theta_from_service(init)], axis=-1)
+    positive = jnp.all(th[:, 0] > 0) & jnp.all(th[:, 1] > 0) & jnp.all(th[:, 3] > 0)
+    if _is_concrete(positive) and not bool(positive):
+        raise ValueError(
+            "init is invalid: expected a0 = base_latency - knee/capacity > 0, capacity > 0 "
+            "and width > 0 in every cell"
+        )
+    n_scale = jnp.max(Nf, axis=-1)
+    y_scale = jnp.exp(jnp.mean(jnp.log(yf), axis=-1))
+    th_n = jnp.stack(
+        [
+            th[:, 0] / y_scale,
+            th[:, 1] * n_scale / y_scale,
+            jnp.maximum(th[:, 2], 0.0) / n_scale,
+            th[:, 3] / n_scale,
+        ],
+        axis=-1,
+    )
+    return _raw_from_theta(th_n)

@@ -23,6 +23,7 @@ arcs and no arrivals.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -212,14 +213,20 @@ def _max_step(v, dv, m):
     return jnp.min(jnp.where(m & (dv < 0), -v / jnp.where(dv < 0, dv, -1.0), jnp.inf))
 
 
-def _solve_one(lam, tau, allowed, mu_bar, cell_mask, cap, *, max_iters, tol):
-    """One MNLB program (unbatched); see `mnlb_weights` for the arguments."""
-    dt = jnp.result_type(float)
+# One problem in standard form, min c.x, Ax = b, x >= 0 in x = (y, o, r, q, s) (`_pack`),
+# scaled to unit total demand and unit largest latency: `mask` the active entries of x (the
+# others are held at zero), `rows` the active rows of A, `lh`, `mu` the scaled demands and
+# capacities, `src`, `cell` the sources with demand and the cells with capacity, `arcs` the
+# allowed arcs between them, `nvar` the number of active entries, `bnorm`, `cnorm`
+# 1 + max|b| and 1 + max|c|.
+_LP = collections.namedtuple("_LP", "n lh mu src cell arcs mask cost b rows nvar bnorm cnorm")
+
+
+def _program(lam, tau, live, mu_bar, cell_mask, cap, dt) -> _LP:
+    """The standard form of one problem (see `_LP`): the arc latencies and the exact
+    penalties of the elastic program (`_penalties`) as the cost, the demand, capacity and
+    overflow-bound rows, with $r$ and $q$ the slacks of the last two."""
     n = lam.shape[-1]
-    lam = jnp.where(cell_mask, lam, 0.0).astype(dt)
-    mu_bar = jnp.where(cell_mask, mu_bar, 0.0).astype(dt)
-    cap = jnp.asarray(cap, dt)
-    live = allowed & cell_mask[:, None] & cell_mask[None, :]
     total = jnp.sum(lam)
     scale = jnp.where(total > 0, total, 1.0)
     lh, mu = lam / scale, mu_bar / scale
@@ -231,14 +238,23 @@ def _solve_one(lam, tau, allowed, mu_bar, cell_mask, cap, *, max_iters, tol):
     tscale = jnp.where(tscale > 0, tscale, 1.0)
     th = tau_a / tscale
     M2, M1 = _penalties(th, arcs, cell, cap)
-
-    # Standard form min c.x, Ax = b, x >= 0 in x = (y, o, r, q, s), with r and q the
-    # slacks of the capacity and overflow-bound rows. Inactive entries are held at zero.
     mask = _pack(arcs, cell, cell, cell, jnp.asarray(True))
     zero = jnp.zeros_like(mu)
     cost = _pack(th, jnp.where(cell, M2, 0.0), zero, zero, M1)
     b = jnp.concatenate([lh, jnp.where(cell, cap * mu, 0.0), zero])
     rows = jnp.concatenate([src, cell, cell])
+    nvar = jnp.sum(mask).astype(dt)
+    bnorm = 1.0 + jnp.max(jnp.abs(b))
+    cnorm = 1.0 + jnp.max(jnp.abs(cost))
+    return _LP(n, lh, mu, src, cell, arcs, mask, cost, b, rows, nvar, bnorm, cnorm)
+
+
+def _start(lp: _LP, cap, dt):
+    """The starting point `(x0, u0, z0)`: demand spread evenly over each source's arcs,
+    the overflow bound just above the largest utilisation, $u_0 = 0$; dual slacks the cost
+    plus one, raised where needed so that no product $x_0 z_0$ falls below a hundredth of
+    the mean (sources or cells with a tiny share start centred)."""
+    lh, mu, cell, arcs, mask = lp.lh, lp.mu, lp.cell, lp.arcs, lp.mask
     deg = jnp.maximum(jnp.sum(arcs, axis=1), 1).astype(dt)
     y0 = jnp.where(arcs, (lh / deg)[:, None], 0.0)
     z0 = jnp.sum(y0, axis=0)
@@ -247,69 +263,88 @@ def _solve_one(lam, tau, allowed, mu_bar, cell_mask, cap, *, max_iters, tol):
     o0 = jnp.where(cell, 0.5 * s0 * mu, 0.0)
     r0 = jnp.where(cell, jnp.maximum(cap * mu - z0 + o0, 0.1 * mu), 0.0)
     x0 = _pack(y0, o0, r0, o0, s0)
-    # Dual slacks: the cost plus one, raised where needed so that no product x0*z0 falls
-    # below a tenth of the mean (sources or cells with a tiny share start centred).
-    zs0 = jnp.where(mask, cost + 1.0, 0.0)
+    zs0 = jnp.where(mask, lp.cost + 1.0, 0.0)
     pi0 = jnp.sum(x0 * zs0) / jnp.sum(mask)
     zs0 = jnp.where(mask, jnp.maximum(zs0, 0.01 * pi0 / jnp.where(mask, x0, 1.0)), 0.0)
-    u0 = jnp.zeros_like(b)
-    nvar = jnp.sum(mask).astype(dt)
-    bnorm = 1.0 + jnp.max(jnp.abs(b))
-    cnorm = 1.0 + jnp.max(jnp.abs(cost))
-    nn = n * n
+    return x0, jnp.zeros_like(lp.b), zs0
 
-    def residuals(x, u, z):
-        rp = jnp.where(rows, b - _A(x, mu), 0.0)
-        rd = jnp.where(mask, cost - _AT(u, mu, arcs) - z, 0.0)
-        return rp, rd
 
-    def measures(x, u, z):
-        rp, rd = residuals(x, u, z)
-        pres = jnp.max(jnp.abs(rp)) / bnorm
-        dres = jnp.max(jnp.abs(rd)) / cnorm
-        pobj = jnp.dot(cost, x)
-        gap = jnp.abs(pobj - jnp.dot(b, u)) / (1.0 + jnp.abs(pobj))
-        # Complementarity per source relative to its rate (floored at _RATE_FLOOR of the
-        # total): it bounds the error of the routing row x_i.
-        xz = x * z
-        comp_y = jnp.sum(xz[:nn].reshape(n, n), axis=1) / jnp.maximum(lh, _RATE_FLOOR)
-        comp = jnp.maximum(jnp.max(comp_y), jnp.sum(xz[nn:]) / (1.0 + jnp.abs(pobj)))
-        err = jnp.maximum(jnp.maximum(pres, dres), jnp.maximum(gap, comp))
-        return pres, dres, gap, jnp.where(jnp.isnan(err), jnp.inf, err)
+def _residuals(lp: _LP, x, u, z):
+    """The primal and dual residuals $b - Ax$ and $c - A^T u - z$ on the active rows."""
+    rp = jnp.where(lp.rows, lp.b - _A(x, lp.mu), 0.0)
+    rd = jnp.where(lp.mask, lp.cost - _AT(u, lp.mu, lp.arcs) - z, 0.0)
+    return rp, rd
 
-    def direction(x, z, rp, rd, rxz, D, solve):
-        zsafe = jnp.where(mask, z, 1.0)
-        h = jnp.where(rows, rp + _A(jnp.where(mask, D * rd - rxz / zsafe, 0.0), mu), 0.0)
-        du = solve(h)
-        dz = jnp.where(mask, rd - _AT(du, mu, arcs), 0.0)
-        dx = jnp.where(mask, (rxz - x * dz) / zsafe, 0.0)
-        # One step of iterative refinement on the primal equations A dx = rp: the
-        # correction (D A^T e_u, e_u, -A^T e_u) leaves the other two Newton equations
-        # intact (theory/mnlb.md §3.3).
-        eu = solve(jnp.where(rows, rp - _A(dx, mu), 0.0))
-        atu = jnp.where(mask, _AT(eu, mu, arcs), 0.0)
-        return dx + D * atu, du + eu, dz - atu
+
+def _measures(lp: _LP, x, u, z):
+    """`(primal residual, dual residual, gap, error)`, each relative; the error is their
+    largest with the complementarity (inf when NaN)."""
+    n = lp.n
+    rp, rd = _residuals(lp, x, u, z)
+    pres = jnp.max(jnp.abs(rp)) / lp.bnorm
+    dres = jnp.max(jnp.abs(rd)) / lp.cnorm
+    pobj = jnp.dot(lp.cost, x)
+    gap = jnp.abs(pobj - jnp.dot(lp.b, u)) / (1.0 + jnp.abs(pobj))
+    # Complementarity per source relative to its rate (floored at _RATE_FLOOR of the
+    # total): it bounds the error of the routing row x_i.
+    xz = x * z
+    comp_y = jnp.sum(xz[: n * n].reshape(n, n), axis=1) / jnp.maximum(lp.lh, _RATE_FLOOR)
+    comp = jnp.maximum(jnp.max(comp_y), jnp.sum(xz[n * n :]) / (1.0 + jnp.abs(pobj)))
+    err = jnp.maximum(jnp.maximum(pres, dres), jnp.maximum(gap, comp))
+    return pres, dres, gap, jnp.where(jnp.isnan(err), jnp.inf, err)
+
+
+def _direction(lp: _LP, x, z, rp, rd, rxz, D, solve):
+    """The Newton direction `(dx, du, dz)` for the complementarity target `rxz`, through
+    the reduced normal equations `solve` (`_normal_factor`)."""
+    mask, rows, mu, arcs = lp.mask, lp.rows, lp.mu, lp.arcs
+    zsafe = jnp.where(mask, z, 1.0)
+    h = jnp.where(rows, rp + _A(jnp.where(mask, D * rd - rxz / zsafe, 0.0), mu), 0.0)
+    du = solve(h)
+    dz = jnp.where(mask, rd - _AT(du, mu, arcs), 0.0)
+    dx = jnp.where(mask, (rxz - x * dz) / zsafe, 0.0)
+    # One step of iterative refinement on the primal equations A dx = rp: the
+    # correction (D A^T e_u, e_u, -A^T e_u) leaves the other two Newton equations
+    # intact (theory/mnlb.md §3.3).
+    eu = solve(jnp.where(rows, rp - _A(dx, mu), 0.0))
+    atu = jnp.where(mask, _AT(eu, mu, arcs), 0.0)
+    return dx + D * atu, du + eu, dz - atu
+
+
+def _mehrotra_step(lp: _LP, x, u, z):
+    """One predictor-corrector iteration from `(x, u, z)`: the affine-scaling predictor,
+    Mehrotra's centring $\\sigma = (\\mu_{aff}/\\mu)^3$, the corrector, and steps of
+    `_STEP` of the way to the boundary."""
+    mask, nvar = lp.mask, lp.nvar
+    rp, rd = _residuals(lp, x, u, z)
+    xz = x * z
+    mu_c = jnp.sum(xz) / nvar
+    D = jnp.where(mask, x / jnp.where(mask, z, 1.0), 0.0)
+    solve = _normal_factor(D, lp.mu, lp.src, lp.cell)
+    # predictor (affine scaling)
+    dxa, _, dza = _direction(lp, x, z, rp, rd, -xz, D, solve)
+    apa = jnp.minimum(1.0, _max_step(x, dxa, mask))
+    ada = jnp.minimum(1.0, _max_step(z, dza, mask))
+    mu_aff = jnp.dot(x + apa * dxa, z + ada * dza) / nvar
+    sigma = jnp.clip((mu_aff / mu_c) ** 3, 0.0, 1.0)
+    # corrector with centring
+    rxz = jnp.where(mask, sigma * mu_c - xz - dxa * dza, 0.0)
+    dx, du, dz = _direction(lp, x, z, rp, rd, rxz, D, solve)
+    ap = jnp.minimum(1.0, _STEP * _max_step(x, dx, mask))
+    ad = jnp.minimum(1.0, _STEP * _max_step(z, dz, mask))
+    return x + ap * dx, u + ad * du, z + ad * dz
+
+
+def _iterate(lp: _LP, start, dt, *, max_iters, tol):
+    """Mehrotra iterations from `start` until the error is at most `tol`, `max_iters`, a
+    non-finite error or `_STALL` iterations without a better iterate; returns
+    `(iterations, best (x, u, z), its error)` (the best iterate is kept: late iterates
+    can drift once the normal equations are too ill-conditioned to improve it)."""
 
     def body(state):
         k, x, u, z, _, best, best_err, k_best = state
-        rp, rd = residuals(x, u, z)
-        xz = x * z
-        mu_c = jnp.sum(xz) / nvar
-        D = jnp.where(mask, x / jnp.where(mask, z, 1.0), 0.0)
-        solve = _normal_factor(D, mu, src, cell)
-        # predictor (affine scaling)
-        dxa, _, dza = direction(x, z, rp, rd, -xz, D, solve)
-        apa = jnp.minimum(1.0, _max_step(x, dxa, mask))
-        ada = jnp.minimum(1.0, _max_step(z, dza, mask))
-        mu_aff = jnp.dot(x + apa * dxa, z + ada * dza) / nvar
-        sigma = jnp.clip((mu_aff / mu_c) ** 3, 0.0, 1.0)
-        # corrector with centring
-        rxz = jnp.where(mask, sigma * mu_c - xz - dxa * dza, 0.0)
-        dx, du, dz = direction(x, z, rp, rd, rxz, D, solve)
-        ap = jnp.minimum(1.0, _STEP * _max_step(x, dx, mask))
-        ad = jnp.minimum(1.0, _STEP * _max_step(z, dz, mask))
-        x, u, z = x + ap * dx, u + ad * du, z + ad * dz
-        *_, err = measures(x, u, z)
+        x, u, z = _mehrotra_step(lp, x, u, z)
+        *_, err = _measures(lp, x, u, z)
         better = err < best_err
         best = jax.tree_util.tree_map(lambda p, q: jnp.where(better, p, q), (x, u, z), best)
         best_err = jnp.where(better, err, best_err)
@@ -317,35 +352,49 @@ def _solve_one(lam, tau, allowed, mu_bar, cell_mask, cap, *, max_iters, tol):
 
     def cond(state):
         k, *_, err, _, best_err, k_best = state
-        # Stop on success, on the iteration cap, or when rounding has stalled progress
-        # (the best iterate is kept: late iterates can drift once the normal equations
-        # are too ill-conditioned to improve it).
         return (k < max_iters) & (best_err > tol) & jnp.isfinite(err) & (k - k_best < _STALL)
 
+    x0, u0, zs0 = start
     big = jnp.asarray(jnp.inf, dt)
     init = (jnp.asarray(0), x0, u0, zs0, jnp.asarray(1.0, dt), (x0, u0, zs0), big, jnp.asarray(0))
-    k, *_, (x, u, z), err, _ = jax.lax.while_loop(cond, body, init)
-    pres, dres, gap, _ = measures(x, u, z)
-    yv, _, _, _, sv = _unpack(x, n)
+    k, *_, best, err, _ = jax.lax.while_loop(cond, body, init)
+    return k, best, err
 
-    # Routing weights: the flows normalised per source (exactly on the simplex); sources
-    # without demand take their nearest allowed cell (lowest index on ties), preferring
-    # cells with capacity.
+
+def _routing_weights(lp: _LP, yv, tau, live, dt):
+    """Routing weights: the flows normalised per source (exactly on the simplex); sources
+    without demand take their nearest allowed cell (lowest index on ties), preferring
+    cells with capacity."""
+    src, cell, arcs = lp.src, lp.cell, lp.arcs
     y = jnp.where(arcs, jnp.maximum(yv, 0.0), 0.0)
     rowsum = jnp.sum(y, axis=1, keepdims=True)
     xw = jnp.where(src[:, None], y / jnp.where(src[:, None], rowsum, 1.0), 0.0)
     pref = live & cell[None, :]
     pref = jnp.where(jnp.any(pref, axis=1, keepdims=True), pref, live)
     near = jnp.argmin(jnp.where(pref, tau, jnp.inf), axis=1)
-    near_row = (jnp.arange(lam.shape[-1])[None, :] == near[:, None]) & jnp.any(
-        pref, 1, keepdims=True
-    )
-    xw = jnp.where(src[:, None], xw, near_row.astype(dt))
+    near_row = (jnp.arange(lp.n)[None, :] == near[:, None]) & jnp.any(pref, 1, keepdims=True)
+    return jnp.where(src[:, None], xw, near_row.astype(dt))
+
+
+def _solve_one(lam, tau, allowed, mu_bar, cell_mask, cap, *, max_iters, tol):
+    """One MNLB program (unbatched); see `mnlb_weights` for the arguments."""
+    dt = jnp.result_type(float)
+    n = lam.shape[-1]
+    lam = jnp.where(cell_mask, lam, 0.0).astype(dt)
+    mu_bar = jnp.where(cell_mask, mu_bar, 0.0).astype(dt)
+    cap = jnp.asarray(cap, dt)
+    live = allowed & cell_mask[:, None] & cell_mask[None, :]
+    total = jnp.sum(lam)
+    lp = _program(lam, tau, live, mu_bar, cell_mask, cap, dt)
+    k, (x, u, z), err = _iterate(lp, _start(lp, cap, dt), dt, max_iters=max_iters, tol=tol)
+    pres, dres, gap, _ = _measures(lp, x, u, z)
+    yv, _, _, _, sv = _unpack(x, n)
+    xw = _routing_weights(lp, yv, tau, live, dt)
 
     load = jnp.sum(lam[:, None] * xw, axis=0)
     cell_over = jnp.where(cell_mask, jnp.maximum(load - cap * mu_bar, 0.0), 0.0)
     overflow = jnp.sum(cell_over)
-    latency = jnp.sum(jnp.where(arcs, tau, 0.0) * lam[:, None] * xw)
+    latency = jnp.sum(jnp.where(lp.arcs, tau, 0.0) * lam[:, None] * xw)
     finite = jnp.isfinite(err) & jnp.all(jnp.isfinite(xw))
     status = jnp.where(
         ~finite, RESULTS.nonfinite, jnp.where(err <= tol, RESULTS.success, RESULTS.not_converged)

@@ -41,9 +41,58 @@ def trajectory_figure(
     (`Axes.get_label()`), so callers and tests can find them in `fig.axes`.
     """
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
+    sols, eqs, ncols = _trajectory_inputs(solutions, equilibria, window, ncols)
+    k = len(sols)
+    groups = -(-k // ncols)
+    # Everything the panels show, first, so that the y-scales can be shared.
+    panels = [_panel(sol, eq, window) for sol, eq in zip(sols, eqs)]
+
+    def top(values, floor):
+        finite = [float(np.nanmax(v)) for v in values if v is not None and np.isfinite(v).any()]
+        return max([floor] + finite)
+
+    N_top = 1.05 * top([p["N"] for p in panels] + [p["N_star"] for p in panels], 1e-12)
+    share_top = min(
+        1.02, 1.1 * top([p["share"] for p in panels] + [p["z_star"] for p in panels], 0.1)
+    )
+
+    width = 3.4 * ncols + (0.9 if ncols >= 3 else 2.4)
+    fig = Figure(figsize=(width, 2.35 * 2 * groups + 1.1), layout="constrained")
+    axes = fig.subplots(2 * groups, ncols, squeeze=False)
+    heading = title or (sols[0].policy if k == 1 else "")
+    n_max = max(p["n"] for p in panels)
+    names = list(sols[0].cell_names) or [f"cell{j}" for j in range(n_max)]
+    colours = [f"C{j % 10}" for j in range(n_max)]
+    any_star = any(p["N_star"] is not None for p in panels)
+    for c, p in enumerate(panels):
+        g, col = divmod(c, ncols)
+        ax_N, ax_x = axes[2 * g, col], axes[2 * g + 1, col]
+        _draw_panel(ax_N, ax_x, p, colours, (N_top, share_top), first_column=col == 0)
+        sol = p["sol"]
+        # The policy's name once: in the panel, unless a single panel's heading has it.
+        lat = f"mean latency {_fmt_latency(p['latency'])}"
+        name = "" if (k == 1 and sol.policy and sol.policy in heading) else sol.policy
+        if p["N_star"] is None and any_star:
+            name += " (no cost: no $N^*$)"
+        head = f"{name}: {lat}" if name else lat
+        if p["status"] != "success":
+            head += f" [{p['status']}]"
+        ax_N.set_title(head, fontsize=9, color="k" if p["status"] == "success" else "C3")
+    for c in range(k, groups * ncols):
+        g, col = divmod(c, ncols)
+        fig.delaxes(axes[2 * g, col])
+        fig.delaxes(axes[2 * g + 1, col])
+    _trajectory_legend(fig, [names[j] for j in range(n_max)], colours, any_star, window, ncols)
+    if heading:
+        fig.suptitle(heading, fontsize=11)
+    return fig
+
+
+def _trajectory_inputs(solutions, equilibria, window: float, ncols: int | None):
+    """`(solutions, equilibria, ncols)` as lists and a column count, checked: unbatched
+    solutions, one equilibrium (or `None`) each, `window` in (0, 1], `ncols` >= 1 (at most
+    the number of solutions)."""
     sols = _as_list(solutions)
     if not sols:
         raise ValueError("solutions = [] is invalid: expected at least one Solution")
@@ -65,101 +114,78 @@ def trajectory_figure(
     ncols = k if ncols is None else ncols
     if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
         raise ValueError(f"ncols = {ncols!r} is invalid: expected an integer >= 1")
-    ncols = min(ncols, k)
-    groups = -(-k // ncols)
+    return sols, eqs, min(ncols, k)
 
-    # Everything the panels show, first, so that the y-scales can be shared.
-    panels = []
-    for sol, eq in zip(sols, eqs):
-        n = int(np.asarray(sol.cell_mask).sum())
-        t = np.asarray(sol.t)
-        N = np.asarray(sol.N)[:, :n]
-        # Share of all traffic arriving at each cell, averaged over each save interval
-        # (from the exact cumulative arrivals): readable for bang-bang discrete routing too.
-        arr = np.diff(np.asarray(sol.arrivals)[:, :n], axis=0)
-        share = arr / np.maximum(arr.sum(axis=1, keepdims=True), 1e-300)
-        N_star = z_star = None
-        if eq is not None:
-            N_star = np.asarray(eq.N)[:n]
-            z = np.asarray(eq.z)[:n]
-            z_star = z / max(float(z.sum()), 1e-300)
-        s0 = sol._start(window)  # the first save of `mean_latency`'s window
-        panels.append(
-            {
-                "sol": sol,
-                "n": n,
-                "t": t,
-                "N": N,
-                "tm": 0.5 * (t[1:] + t[:-1]),
-                "share": share,
-                "N_star": N_star,
-                "z_star": z_star,
-                "t_window": float(t[s0]),
-                "latency": float(sol.mean_latency(window)),
-                "status": str(sol.status_names()),
-            }
-        )
 
-    def top(values, floor):
-        finite = [float(np.nanmax(v)) for v in values if v is not None and np.isfinite(v).any()]
-        return max([floor] + finite)
+def _panel(sol, eq, window: float) -> dict:
+    """What one solution's panel shows: its workloads, the share of arrivals per save
+    interval, the equilibrium's $N^*$ and $z^*/\\sum z^*$ (or `None`), the mean-latency
+    window's start, the mean latency and the status."""
+    n = int(np.asarray(sol.cell_mask).sum())
+    t = np.asarray(sol.t)
+    # Share of all traffic arriving at each cell, averaged over each save interval
+    # (from the exact cumulative arrivals): readable for bang-bang discrete routing too.
+    arr = np.diff(np.asarray(sol.arrivals)[:, :n], axis=0)
+    share = arr / np.maximum(arr.sum(axis=1, keepdims=True), 1e-300)
+    N_star = z_star = None
+    if eq is not None:
+        N_star = np.asarray(eq.N)[:n]
+        z = np.asarray(eq.z)[:n]
+        z_star = z / max(float(z.sum()), 1e-300)
+    s0 = sol._start(window)  # the first save of `mean_latency`'s window
+    return {
+        "sol": sol,
+        "n": n,
+        "t": t,
+        "N": np.asarray(sol.N)[:, :n],
+        "tm": 0.5 * (t[1:] + t[:-1]),
+        "share": share,
+        "N_star": N_star,
+        "z_star": z_star,
+        "t_window": float(t[s0]),
+        "latency": float(sol.mean_latency(window)),
+        "status": str(sol.status_names()),
+    }
 
-    N_top = 1.05 * top([p["N"] for p in panels] + [p["N_star"] for p in panels], 1e-12)
-    share_top = min(
-        1.02, 1.1 * top([p["share"] for p in panels] + [p["z_star"] for p in panels], 0.1)
-    )
 
-    width = 3.4 * ncols + (0.9 if ncols >= 3 else 2.4)
-    fig = Figure(figsize=(width, 2.35 * 2 * groups + 1.1), layout="constrained")
-    axes = fig.subplots(2 * groups, ncols, squeeze=False)
-    heading = title or (sols[0].policy if k == 1 else "")
-    n_max = max(p["n"] for p in panels)
-    names = list(sols[0].cell_names) or [f"cell{j}" for j in range(n_max)]
-    colours = [f"C{j % 10}" for j in range(n_max)]
-    for c, p in enumerate(panels):
-        g, col = divmod(c, ncols)
-        ax_N, ax_x = axes[2 * g, col], axes[2 * g + 1, col]
-        sol = p["sol"]
-        ax_N.set_label(f"workload:{sol.policy}")
-        ax_x.set_label(f"routing:{sol.policy}")
-        for ax in (ax_N, ax_x):
-            ax.axvspan(p["t_window"], p["t"][-1], color="0.92", lw=0, zorder=0)
-            ax.set_xlim(p["t"][0], p["t"][-1])
-            ax.grid(alpha=0.25, lw=0.5)
-            ax.tick_params(labelsize=8)
-        for j in range(p["n"]):
-            ax_N.plot(p["t"], p["N"][:, j], lw=1.1, color=colours[j])
-            ax_x.plot(p["tm"], p["share"][:, j], lw=1.1, color=colours[j])
-            if p["N_star"] is not None:
-                # Above the trajectory, which converges onto it when the policy does.
-                for ax, v in ((ax_N, p["N_star"][j]), (ax_x, p["z_star"][j])):
-                    ax.axhline(v, color="k", ls=(0, (1.5, 1.5)), lw=1.9, zorder=3)
-                    ax.axhline(v, color=colours[j], ls=(0, (1.5, 1.5)), lw=1.1, zorder=3)
-        ax_N.set_ylim(0.0, N_top)
-        ax_x.set_ylim(0.0, share_top)
-        ax_N.tick_params(labelbottom=False)
-        ax_x.set_xlabel("time (s)", fontsize=8)
-        if col == 0:
-            ax_N.set_ylabel("workload $N_j$ (requests)", fontsize=8)
-            ax_x.set_ylabel("share of arrivals", fontsize=8)
-        # The policy's name once: in the panel, unless a single panel's heading has it.
-        lat = f"mean latency {_fmt_latency(p['latency'])}"
-        name = "" if (k == 1 and sol.policy and sol.policy in heading) else sol.policy
-        if p["N_star"] is None and any(q["N_star"] is not None for q in panels):
-            name += " (no cost: no $N^*$)"
-        head = f"{name}: {lat}" if name else lat
-        if p["status"] != "success":
-            head += f" [{p['status']}]"
-        ax_N.set_title(head, fontsize=9, color="k" if p["status"] == "success" else "C3")
-    for c in range(k, groups * ncols):
-        g, col = divmod(c, ncols)
-        fig.delaxes(axes[2 * g, col])
-        fig.delaxes(axes[2 * g + 1, col])
+def _draw_panel(ax_N, ax_x, p: dict, colours, tops, *, first_column: bool) -> None:
+    """One solution's two axes: workloads over time and the share of arrivals, each
+    cell's equilibrium as a dotted line, the mean-latency window shaded; `tops` the
+    shared y-limits."""
+    sol = p["sol"]
+    ax_N.set_label(f"workload:{sol.policy}")
+    ax_x.set_label(f"routing:{sol.policy}")
+    for ax in (ax_N, ax_x):
+        ax.axvspan(p["t_window"], p["t"][-1], color="0.92", lw=0, zorder=0)
+        ax.set_xlim(p["t"][0], p["t"][-1])
+        ax.grid(alpha=0.25, lw=0.5)
+        ax.tick_params(labelsize=8)
+    for j in range(p["n"]):
+        ax_N.plot(p["t"], p["N"][:, j], lw=1.1, color=colours[j])
+        ax_x.plot(p["tm"], p["share"][:, j], lw=1.1, color=colours[j])
+        if p["N_star"] is not None:
+            # Above the trajectory, which converges onto it when the policy does.
+            for ax, v in ((ax_N, p["N_star"][j]), (ax_x, p["z_star"][j])):
+                ax.axhline(v, color="k", ls=(0, (1.5, 1.5)), lw=1.9, zorder=3)
+                ax.axhline(v, color=colours[j], ls=(0, (1.5, 1.5)), lw=1.1, zorder=3)
+    ax_N.set_ylim(0.0, tops[0])
+    ax_x.set_ylim(0.0, tops[1])
+    ax_N.tick_params(labelbottom=False)
+    ax_x.set_xlabel("time (s)", fontsize=8)
+    if first_column:
+        ax_N.set_ylabel("workload $N_j$ (requests)", fontsize=8)
+        ax_x.set_ylabel("share of arrivals", fontsize=8)
+
+
+def _trajectory_legend(fig, names, colours, any_star: bool, window: float, ncols: int) -> None:
+    """The cells' colours, the equilibrium's line (where a panel has one) and the window."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     handles: list[Any] = [
-        Line2D([], [], color=colours[j], lw=1.5, label=names[j]) for j in range(n_max)
+        Line2D([], [], color=colours[j], lw=1.5, label=name) for j, name in enumerate(names)
     ]
-    if any(p["N_star"] is not None for p in panels):
+    if any_star:
         handles.append(
             Line2D(
                 [],
@@ -182,9 +208,6 @@ def trajectory_figure(
         fontsize=8,
         frameon=False,
     )
-    if heading:
-        fig.suptitle(heading, fontsize=11)
-    return fig
 
 
 def plot_trajectories(
