@@ -21,13 +21,28 @@ import abc
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._costs import route_costs
 from .._registry import BUILTIN_POLICIES, POLICIES
+from .._scenario import replica_scale
 
 POLICY_NAMES = BUILTIN_POLICIES
 """The eight built-in policies (`dlbfluid._registry.POLICIES` also lists registered ones)."""
+
+
+def replica_fractions(scn, t):
+    """Every cell's replica fraction $c_j(t) = k_j(t)/k_j$ (`replica_scale` of its
+    schedule), `(..., n)`: `t` broadcasts against the cell axis last, so a scalar or
+    `t[..., None]` gives every cell at the same times, and `(..., n)` cell $j$ at
+    `t[..., j]` (e.g. $t - \\tau_{ij}$, what router $i$ observes). The one home of the
+    fraction that the simulator's `Observation.scale`, `Rand` and `MNLB` use."""
+    n = scn.replicas.shape[-1]
+    t = jnp.broadcast_to(t, jnp.broadcast_shapes(jnp.shape(t), (n,)))
+    return jax.vmap(replica_scale, in_axes=(0, 0, 0, -1), out_axes=-1)(
+        scn.replica_times, scn.replica_counts, scn.replicas, t
+    )
 
 
 class TickSetup(eqx.Module):
@@ -57,8 +72,8 @@ class Observation(eqx.Module):
     **Fields:**
     - `k`: the tick just integrated; `t`: $t_{k+1}$.
     - `workload`: `(n, n)` $N_j(t_{k+1} - \\tau_{ij})$, the probed workloads.
-    - `scale`: `(n, n)` observed replica fraction $k_j(t_{k+1}-\\tau_{ij})/k_j$, or `None`
-      when no scenario has a replica schedule.
+    - `scale`: `(n, n)` observed replica fraction $k_j(t_{k+1}-\\tau_{ij})/k_j$
+      (`replica_fractions`), or `None` when no scenario has a replica schedule.
     - `drops`, `arrivals`: `(n,)` flow dropped by, and arriving at, each cell during tick
       `k` (the cells' own counters, seen by the routers only through the probe).
     """

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 
 from .._arrivals import rate_integral
 from .._mnlb import mnlb_weights
-from .._scenario import replica_scale
-from .base import AbstractPolicy
+from .base import AbstractPolicy, replica_fractions
 
 
 class MNLB(AbstractPolicy):
@@ -57,9 +56,7 @@ class MNLB(AbstractPolicy):
             )
             / T
         )  # (P, n)
-        scale = jax.vmap(replica_scale, in_axes=(0, 0, 0, None), out_axes=-1)(
-            scn.replica_times, scn.replica_counts, scn.replicas, tp + 1e-9 * T
-        )  # (P, n)
+        scale = replica_fractions(scn, (tp + 1e-9 * T)[:, None])  # (P, n)
         cap = scale * scn.service.capacity[None, :]
         x, _ = jax.vmap(
             lambda lm, cp: mnlb_weights(

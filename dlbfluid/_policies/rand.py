@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from .._scenario import proportional_routing, replica_scale
-from .base import AbstractPolicy
+from .._scenario import proportional_routing
+from .base import AbstractPolicy, replica_fractions
 
 
 class WeightedRandom(AbstractPolicy):
@@ -29,8 +28,6 @@ class WeightedRandom(AbstractPolicy):
 
     def update(self, scn, setup, state, obs, aux):
         t = obs.t + 0.5 * setup.h
-        k = jax.vmap(replica_scale, in_axes=(0, 0, 0, None))(
-            scn.replica_times, scn.replica_counts, scn.replicas, t
-        )
+        k = replica_fractions(scn, t)
         x = proportional_routing(scn.allowed, k * scn.replicas, jnp).astype(state.dtype)
         return x, x

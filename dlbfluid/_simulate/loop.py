@@ -33,9 +33,8 @@ from jaxtyping import Array, Float, Int
 
 from .._integrators.base import arc_integrals
 from .._policies import AbstractPolicy, Observation, TickSetup
-from .._policies.base import tree_select
+from .._policies.base import replica_fractions, tree_select
 from .._results import RESULTS
-from .._scenario import replica_scale
 from .window import ArrivalWindow, _arrival_window
 
 __all__ = ["SavePoint", "SimState", "Totals"]
@@ -154,13 +153,6 @@ def _init_state(scn, setup: TickSetup, aux, *, policy: AbstractPolicy, width: in
     )
 
 
-def _scale_at(scn, t):
-    """Replica fraction $c_j(t)$ of every cell; `t` broadcasts against the cell axis last."""
-    return jax.vmap(replica_scale, in_axes=(0, 0, 0, -1), out_axes=-1)(
-        scn.replica_times, scn.replica_counts, scn.replicas, t
-    )
-
-
 def _hist_len(tau_max_over_h: float) -> int:
     """Slots of the routing and observation rings: a power of two (so that `& (hist - 1)`
     is the slot) above $\\lfloor\\bar\\tau/h\\rfloor + 1$, the ticks a delayed read reaches
@@ -195,7 +187,7 @@ def _tick(
     xprev, xcur = state.x_ring[(k - m[None] - back) & wrap, I[None], J[None]][::-1]
     x_k = state.x
     # Replica changes take effect on the tick whose midpoint has passed them.
-    c = _scale_at(loc, jnp.broadcast_to(0.5 * h, (n,)))
+    c = replica_fractions(loc, 0.5 * h)
     out = integrator.tick(loc, setup, zero, state.N, xprev, xcur, c)
     lam_tick = arc_integrals(loc, jnp.zeros((n, 1), dtype), jnp.full((n, 1), h))[:, 0]
     d_net = jnp.sum(2.0 * tau * x_k * lam_tick[:, None])
@@ -209,7 +201,7 @@ def _tick(
         k=k,
         t=t_next,
         workload=obs_ring[(k - m) & wrap, I, J],
-        scale=_scale_at(loc, h - tau) if full.replica_times.shape[-1] > 1 else None,
+        scale=replica_fractions(loc, h - tau) if full.replica_times.shape[-1] > 1 else None,
         drops=out.drops,
         arrivals=out.arrivals,
     )
