@@ -26,6 +26,9 @@ class PrefillDecodeState(eqx.Module):
     prefilled and waiting for a slot, from `w_head` of length `w_size`; `s_done`,
     `s_origin` `(n, S, D)` each slot's end of decode ($+\\infty$ when free) and request;
     `s_busy` `(n, S)` busy slots.
+    **Per cell** (caches read by the loop every event, so that it reads no per-server
+    array the event then writes): `cnt` requests present, `p_busy` busy prefill engines,
+    `d_busy` busy decode slots, `(n,)` each.
     **Other:** `nxt` `(n, S)` each server's next event time (a cache of
     $\\min(p_{done}, \\min_d s_{done})$); `tokens` `(A, 3)` the tick's block of draws
     (prompt tokens, output tokens, a unit exponential), `drawn` its rows used by
@@ -46,6 +49,9 @@ class PrefillDecodeState(eqx.Module):
     s_done: Float[Array, "n S D"]
     s_origin: Float[Array, "n S D"]
     s_busy: Int[Array, "n S"]
+    cnt: Int[Array, " n"]
+    p_busy: Int[Array, " n"]
+    d_busy: Int[Array, " n"]
     nxt: Float[Array, "n S"]
     tokens: Float[Array, "A 3"]
     drawn: Int[Array, ""]
@@ -144,6 +150,9 @@ class PrefillDecodeCells(AbstractCells):
             s_done=jnp.full((n, S, D), jnp.inf, dtype),
             s_origin=jnp.zeros((n, S, D), dtype),
             s_busy=zi,
+            cnt=jnp.sum(size, axis=-1).astype(jnp.int32),
+            p_busy=jnp.sum(size > 0, axis=-1).astype(jnp.int32),
+            d_busy=jnp.zeros(n, jnp.int32),
             nxt=p_done,
             tokens=jnp.zeros((self.block, 3), dtype),
             drawn=jnp.zeros((), jnp.int32),
@@ -161,7 +170,7 @@ class PrefillDecodeCells(AbstractCells):
         return state.p_size + state.w_size + state.s_busy
 
     def count(self, state):
-        return jnp.sum(self._load(state), axis=-1)
+        return state.cnt
 
     def rates(self, state):
         return jnp.zeros(self.servers.shape, self.prefill_token_time.dtype)
@@ -172,8 +181,8 @@ class PrefillDecodeCells(AbstractCells):
     def utilisation(self, state):
         dtype = self.prefill_token_time.dtype
         k = jnp.maximum(self.servers, 1).astype(dtype)
-        prefill = jnp.sum(state.p_size > 0, axis=-1).astype(dtype) / k
-        decode = jnp.sum(state.s_busy, axis=-1).astype(dtype) / (k * self.decode_slots)
+        prefill = state.p_busy.astype(dtype) / k
+        decode = state.d_busy.astype(dtype) / (k * self.decode_slots)
         return jnp.where(self.servers > 0, jnp.where(self.prefill_bound, prefill, decode), 0.0)
 
     def admit(self, state, j, origin, t, ok):
@@ -211,6 +220,9 @@ class PrefillDecodeCells(AbstractCells):
             s_done=state.s_done,
             s_origin=state.s_origin,
             s_busy=state.s_busy,
+            cnt=state.cnt.at[j].add(do.astype(jnp.int32)),
+            p_busy=state.p_busy.at[j].add(start.astype(jnp.int32)),
+            d_busy=state.d_busy,
             nxt=state.nxt.at[j, s].set(jnp.minimum(state.nxt[j, s], p_done)),
             tokens=state.tokens,
             drawn=state.drawn + do.astype(jnp.int32),
@@ -259,6 +271,8 @@ class PrefillDecodeCells(AbstractCells):
         s_orig = jnp.where(at_d & take, o_w, s_orig)
         w_slot = jnp.where(into_wait, (wh + ws) % Q, Q)
         busy = into_slot.astype(jnp.int32) - (is_d & ~take).astype(jnp.int32)
+        leaving = jnp.where(is_d, so_row[d], o_p)
+        left = (is_p & (dw <= 0)) | is_d
         new = PrefillDecodeState(
             p_origin=state.p_origin,
             p_work=state.p_work,
@@ -276,12 +290,13 @@ class PrefillDecodeCells(AbstractCells):
             s_done=state.s_done.at[j, s].set(s_done),
             s_origin=state.s_origin.at[j, s].set(s_orig),
             s_busy=state.s_busy.at[j, s].add(busy),
+            cnt=state.cnt.at[j].add(-left.astype(jnp.int32)),
+            p_busy=state.p_busy.at[j].add(-(is_p & (ps == 1)).astype(jnp.int32)),
+            d_busy=state.d_busy.at[j].add(busy),
             nxt=state.nxt.at[j, s].set(jnp.minimum(p_done, jnp.min(s_done))),
             tokens=state.tokens,
             drawn=state.drawn,
             key=state.key,
             read=jnp.stack([o_p, dw, next_work]),
         )
-        leaving = jnp.where(is_d, so_row[d], o_p)
-        left = (is_p & (dw <= 0)) | is_d
         return new, leaving, left
