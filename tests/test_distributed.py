@@ -156,8 +156,9 @@ def _csv(path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A two-process run, then a one-process run of the same commands (which loads process
-    0's compilations from JAX's persistent cache: the same programs, in less time)."""
+    """A one-process run of the commands the two-process run starts with, then the
+    two-process run (whose processes load the one-process run's compilations from JAX's
+    persistent cache: the same programs, compiled once instead of once per process)."""
     tmp = tmp_path_factory.mktemp("distributed")
     (tmp / "driver.py").write_text(DRIVER)
     port = _free_port()
@@ -168,12 +169,12 @@ def runs(tmp_path_factory):
     one = [{"argv": SIMULATE}, {"argv": VERIFY}, {"argv": EXPERIMENT}]
     address = f"127.0.0.1:{port}"
     stages = [
+        [("one", one, [], {})],
         # Process 0 from the options, process 1 from the environment variables.
         [("p0", DISTRIBUTED, ["--coordinator", address, "--num-processes", "2",
                               "--process-id", "0"], {"DRIVER_PROCESS": "0"}),
          ("p1", DISTRIBUTED, [], {"JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2",
                                   "JAX_PROCESS_ID": "1", "DRIVER_PROCESS": "1"})],
-        [("one", one, [], {})],
     ]
     stdout, res = {}, {}
     t0 = time.perf_counter()

@@ -2,8 +2,9 @@
 certificates, batching, recompilation, sensitivities and the long-run dynamics.
 
 Closed forms are theory/equilibria.md §4 A, B, C, E, F, each derived there.
-Every small scenario here has at most 4 cells, so unbatched calls and batches of up to 8
-share one compiled solver per cost (see `_bucket`, `_batch_bucket`).
+Every small scenario here has at most 4 cells and both service laws (`helpers.both_laws`),
+so unbatched calls and batches of up to 8 share one compiled solver per cost (see `_bucket`,
+`_batch_bucket`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from cvxpy_reference import cvxpy_solve
+from helpers import both_laws
 
 import dlbfluid as dl
 from dlbfluid import _equilibrium as eqm
@@ -46,7 +48,9 @@ def cell(name, lam, svc, k=1):
 
 
 def scn(cells, latency):
-    return dl.scenario_from_dict({"name": "t", "cells": cells, "latency": latency})
+    """The scenario, built for both service laws (`helpers.both_laws`): the M/M/1-only
+    cases share the compiled solver of the mixed ones."""
+    return both_laws({"name": "t", "cells": cells, "latency": latency})
 
 
 def case_a(lam=1.5, mu=(2.0, 1.0), k=(1, 1)):
@@ -138,7 +142,7 @@ def random_mm1(rng, n=4, load=0.8):
     ]
     d = {"name": "r", "cells": cells, "latency": lat}
     try:
-        return dl.scenario_from_dict(d), d
+        return both_laws(d), d
     except dl.OverloadError:
         return random_mm1(rng, n, load)
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import THREE, random_scenario, symmetric_pair
+from helpers import LAWS, THREE, random_scenario, symmetric_pair
 
 import dlbfluid as dl
 from dlbfluid._cli import main
@@ -37,12 +37,12 @@ KW = dict(chunk=2, n_cells=(2, 3), horizon=20.0, tick=0.1)
 
 
 def _pairs(dicts, cost):
-    """The scenarios two at a time, padded to 3 cells, with their equilibria."""
+    """The scenarios two at a time, padded to 3 cells and both laws, with their equilibria."""
     out = []
     for k in range(0, len(dicts), 2):
         scns = [scenario_from_dict(d) for d in dicts[k : k + 2]]
         scns += scns[-1:] * (2 - len(scns))
-        b = stack_scenarios(scns, n_cells=3)
+        b = stack_scenarios(scns, n_cells=3, laws=LAWS)
         out.append((scns, b, solve_equilibrium(b, cost)))
     return out
 
@@ -102,9 +102,8 @@ def test_batched_critical_step_size_special_cases():
 
 
 @pytest.fixture(scope="module")
-def three_runs():
-    s = dl.scenario_from_dict(THREE)
-    eq = solve_equilibrium(s, "gradient")
+def three_runs(catalogue_equilibrium):
+    s, eq = catalogue_equilibrium("three", "gradient")
     out = {}
     for h in (0.04, 0.02):  # (the runs of tests/test_lyapunov.py: shared compilations)
         sol = dl.simulate(s, "flow-grad", step_size=0.3, tick=h, horizon=20.0, n_save=round(20 / h))
@@ -139,9 +138,8 @@ def test_projection_check_discretisation_excess_is_first_order(three_runs):
     assert ex[-1] < 0.5 * hs[-1]
 
 
-def test_projection_check_requires_per_tick_saves():
-    s = dl.scenario_from_dict(THREE)
-    eq = solve_equilibrium(s, "gradient")
+def test_projection_check_requires_per_tick_saves(catalogue_equilibrium):
+    s, eq = catalogue_equilibrium("three", "gradient")
     sol = dl.simulate(s, "flow-grad", step_size=0.3, tick=0.05, horizon=2.0, n_save=10)
     with pytest.raises(ValueError, match="n_save equal to the number of ticks"):
         projection_check(sol, s, eq, cost="gradient", step_size=0.3)
