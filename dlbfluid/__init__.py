@@ -82,6 +82,8 @@ if TYPE_CHECKING:
     from ._requests import simulate_requests as simulate_requests
     from ._results import RESULTS as RESULTS
     from ._scenario import Scenario as Scenario
+    from ._scenario import ServerCells as ServerCells
+    from ._scenario import Workload as Workload
     from ._scenario import check_capacity as check_capacity
     from ._scenario import default_scenario as default_scenario
     from ._scenario import load_scenario as load_scenario

@@ -47,9 +47,9 @@ MODELS = ("fluid", "requests")
 (`simulate_requests`) beside it on the same scenarios and step sizes."""
 SERVICES = ("markov", "servers")
 """The request-level cell kinds (`simulate_requests(service=...)`)."""
-REQUEST_KINDS = tuple(k for k in KINDS if k != "outage")
-"""The kinds the request-level twin runs: not `outage`, whose replica schedule (cells cut
-during the run) `simulate_requests` does not support."""
+REQUEST_KINDS = KINDS
+"""The kinds the request-level twin runs: all of them (`simulate_requests` follows the
+outage's replica schedule)."""
 
 
 STEP_RULE_KAPPA = {"rif": 10**-4.25, "latency": 10**-1.75, "gradient": 10**-2.5}
@@ -181,9 +181,8 @@ class ExperimentConfig:
             )
         if self.model == "requests" and self.experiment not in REQUEST_KINDS:
             raise ValueError(
-                f"model = 'requests' is invalid for experiment = {self.experiment!r}: the "
-                "request-level twin supports constant replica counts only and the outage cuts "
-                f"replicas during the run; allowed experiments are {list(REQUEST_KINDS)}"
+                f"model = 'requests' is invalid for experiment = {self.experiment!r}: "
+                f"allowed experiments are {list(REQUEST_KINDS)}"
             )
         pols = tuple(self.policies)
         for p in pols:

@@ -274,7 +274,4 @@ def test_experiment_request_options_are_checked_first(tmp_path, capsys):
     ]:
         rc, cap = _run(capsys, ["experiment", *EXP, *extra, "--out", str(tmp_path / "x")])
         assert rc == 2 and message in cap.err and "usage:" not in cap.err
-    rc, cap = _run(capsys, ["experiment", "outage", "--model", "requests",
-                            "--out", str(tmp_path / "x")])  # fmt: skip
-    assert rc == 2 and "--model = 'requests' is invalid for experiment = 'outage'" in cap.err
     assert not (tmp_path / "x").exists()

@@ -404,6 +404,6 @@ def test_servers_needs_mm1_cells():
     with pytest.raises(ValueError, match=r"needs a 'servers' object on cells\[0\]"):
         simulate_requests(scenario_from_dict(helpers.three()), "rand", service="servers")
     d = copy.deepcopy(one_cell())
-    d["cells"][0]["replica_schedule"] = {"times": [0.0, 0.5], "replicas": [1, 2]}
-    with pytest.raises(ValueError, match="replica"):
-        simulate_requests(scenario_from_dict(d), "rand", horizon=1.0)
+    d["cells"][0]["replica_schedule"] = {"times": [0.0, 0.5], "replicas": [1, 1.5]}
+    with pytest.raises(ValueError, match="integer replica counts"):
+        simulate_requests(scenario_from_dict(d), "rand", service="servers", horizon=1.0)

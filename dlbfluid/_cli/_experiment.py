@@ -100,7 +100,7 @@ def register(sub) -> None:
         help="fluid: the fluid model (default); requests: also simulate every run request by "
         "request (dlbfluid.simulate_requests, one run per scenario and trial, seeded by "
         "--seed) and report its normalised mean and p90 latency and error rates beside the "
-        "fluid means (not the outage kind: its replica schedule is fluid-only)",
+        "fluid means (the outage kind included: its replica schedule scales the cells)",
     )
     p.add_argument(
         "--service",

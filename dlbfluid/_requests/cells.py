@@ -35,10 +35,15 @@ class AbstractCells(eqx.Module):
         of the cells (for kinds that draw per-request quantities)."""
 
     @abc.abstractmethod
-    def refresh(self, state):
-        """The state at the start of a tick, once per tick and trial (before its events):
-        kinds that draw per-request quantities draw a tick's block of them here, from
-        their own key, so that no event calls the random generator."""
+    def refresh(self, state, frac: Float[Array, " n"], cap: Float[Array, " n"]):
+        """`(state, dropped)`: the state at the start of a tick, once per tick and trial
+        (before its events). `frac` is each cell's replica fraction $c_j$ in force during
+        the tick (`replica_fractions` at the tick's midpoint, as the fluid simulator reads
+        it) and `cap` its buffer $\\lfloor kc_jB_j\\rfloor$ (theory/requests.md, *Replica
+        schedules*): the kind scales its service to the running replicas here, and
+        `dropped` `(n,)` counts the requests it removed (markov: those above a shrunk
+        buffer). Kinds that draw per-request quantities draw a tick's block of them here,
+        from their own key, so that no event calls the random generator."""
 
     @abc.abstractmethod
     def count(self, state) -> Int[Array, " n"]:

@@ -35,6 +35,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._arrivals import rate_at
 from .._policies import AbstractPolicy, Observation, TickSetup
+from .._policies.base import replica_fractions
 from .._scenario import Scenario
 from .cells import AbstractCells
 from .histogram import LatencyHistogram
@@ -84,7 +85,8 @@ class LoopState(eqx.Module):
     current tick's admissions and rejections per cell (divided by $k$ they are the
     fluid's `Observation.arrivals`/`drops`, read by error aversion).
     **Outputs:** `stats` (`Stats`), `overflow` (bits `OVERFLOW_CELLS | OVERFLOW_ARCS`),
-    `events` (loop iterations).
+    `events` (loop iterations). `buffer` `(n,)` the buffers in force in the current tick,
+    $\\lfloor kc_jB_j\\rfloor$ at its replica fractions $c_j$ (`_draw`).
     """
 
     t: Float[Array, ""]
@@ -106,6 +108,7 @@ class LoopState(eqx.Module):
     stats: Stats
     overflow: Int[Array, ""]
     events: Int[Array, ""]
+    buffer: Float[Array, " n"]
 
 
 class Trial(eqx.Module):
@@ -178,6 +181,7 @@ def init_state(tr: Trial, key) -> LoopState:
         stats=stats,
         overflow=jnp.where(over, OVERFLOW_CELLS, 0).astype(jnp.int32),
         events=jnp.zeros((), jnp.int32),
+        buffer=tr.buffer,
     )
 
 
@@ -258,7 +262,7 @@ def _event(tr: Trial, k, t_end, st: LoopState):
     admit = direct | is_del
     j_in = jnp.where(is_del, j_d, ja)
     origin = jnp.where(is_del, born - setup.tau[i_d, j_d], t_new)
-    reject = admit & (count[j_in].astype(dtype) >= tr.buffer[j_in])
+    reject = admit & (count[j_in].astype(dtype) >= st.buffer[j_in])
     # An event admits or completes, never both; completing first lets every read of the
     # cells' arrays come before any write, so that the writes stay in place in the loop.
     j_out = jnp.where(is_int, jn, jc)
@@ -324,6 +328,7 @@ def _event(tr: Trial, k, t_end, st: LoopState):
         stats=stats,
         overflow=overflow,
         events=st.events + (~stop).astype(jnp.int32),
+        buffer=st.buffer,
     )
     return new, ~stop
 
@@ -352,12 +357,32 @@ def run_tick(tr: Trial, k, st: LoopState, running):
 
 def _draw(tr: Trial, st: LoopState) -> LoopState:
     """A fresh block of uniforms for the tick's events (drawn at once: one call of the
-    generator per tick instead of one per event), and the cells' own block
-    (`AbstractCells.refresh`)."""
+    generator per tick instead of one per event), and the cells' refresh
+    (`AbstractCells.refresh`): their own block, and the tick's replica fractions
+    $c_j$ = `replica_fractions` at the tick's midpoint (as the fluid simulator reads them,
+    so that a change on the tick grid takes effect exactly at its time) with the buffers
+    $\\lfloor kc_jB_j\\rfloor$; the requests a cell drops there count as the tick's drops."""
     key, sub = jr.split(st.key)
     u = jr.uniform(sub, (tr.events, 5), st.uniforms.dtype)
-    cells = tr.cells.refresh(st.cells)
-    return dataclasses.replace(st, key=key, uniforms=u, used=jnp.zeros_like(st.used), cells=cells)
+    scn, h = tr.scn, tr.setup.h
+    frac = replica_fractions(scn, st.t + 0.5 * h)
+    frac = jnp.where(scn.cell_mask & (frac > 0), frac, 1.0).astype(st.x.dtype)
+    b = jnp.floor(tr.scale * frac * scn.buffer)
+    buffer = jnp.where(jnp.isfinite(scn.buffer), b, jnp.inf).astype(st.buffer.dtype)
+    cells, dropped = tr.cells.refresh(st.cells, frac, buffer)
+    dropped = dropped.astype(jnp.int32)
+    win = (st.t >= tr.warmup).astype(jnp.int32)
+    stats = dataclasses.replace(st.stats, drops=st.stats.drops + win * dropped)
+    return dataclasses.replace(
+        st,
+        key=key,
+        uniforms=u,
+        used=jnp.zeros_like(st.used),
+        cells=cells,
+        buffer=buffer,
+        stats=stats,
+        tick_drops=st.tick_drops + dropped,
+    )
 
 
 def _batched(f):
@@ -366,7 +391,8 @@ def _batched(f):
 
 
 def _update(tr: Trial, k, t_end, st: LoopState) -> LoopState:
-    """Every router's update at $t_{k+1}$ = `t_end` (`AbstractPolicy.update`)."""
+    """Every router's update at $t_{k+1}$ = `t_end` (`AbstractPolicy.update`), with the
+    replica fractions observed $\\tau_{ij}$ late when the scenario has a schedule."""
     setup = tr.setup
     dtype = st.x.dtype
     n = tr.scn.n_cells
@@ -377,7 +403,13 @@ def _update(tr: Trial, k, t_end, st: LoopState) -> LoopState:
         k=k,
         t=t_end,
         workload=ring[(k + 1) & (setup.hist - 1)],
-        scale=None,
+        # The observed replica fractions c_j(t_{k+1} - tau_ij), as the fluid's routers see
+        # them (`dlbfluid._simulate.loop`); None without a schedule.
+        scale=(
+            replica_fractions(tr.scn, t_end - setup.tau).astype(dtype)
+            if tr.scn.replica_times.shape[-1] > 1
+            else None
+        ),
         drops=st.tick_drops.astype(dtype) / tr.scale,
         arrivals=st.tick_arrivals.astype(dtype) / tr.scale,
     )

@@ -17,10 +17,12 @@ class MarkovState(eqx.Module):
     - `origin`: `(n, slots)` origins of the present requests, packed: the requests of cell
       `j` occupy slots `0 .. count[j] - 1` (a completion moves the last one into the hole).
     - `count`: `(n,)` requests present.
+    - `frac`: `(n,)` the replica fraction $c_j$ in force (set by `refresh` every tick).
     """
 
     origin: Float[Array, "n slots"]
     count: Int[Array, " n"]
+    frac: Float[Array, " n"]
 
 
 class MarkovCells(AbstractCells):
@@ -29,6 +31,12 @@ class MarkovCells(AbstractCells):
     scenario's `ServiceModel.rate`), and every present request is equally likely to be
     the one that leaves (processor sharing). At $k\\to\\infty$, $N_j/k$ follows the fluid
     ODE (Kurtz; theory/requests.md, *Fluid limit*).
+
+    **Replica schedule.** With a fraction $c_j(t)$ of its replicas running, the cell
+    completes at $kc_j\\,\\mu_j(N_j/(kc_j))$: the fluid's scaled rate $c\\mu(N/c)$
+    (`scaled_rate`; theory/evaluation.md §2) at scale $k$, so that the fluid limit still
+    holds. $c_j$ is the one of the tick (`refresh`); requests above the shrunk buffer
+    $\\lfloor kc_jB_j\\rfloor$ are dropped at the tick's start, as the fluid drops its excess.
 
     **Fields:** `service` (the scenario's true service table), `scale` ($k$, a scalar
     array), `slots` (static: requests a cell can hold; more is an overflow).
@@ -42,19 +50,26 @@ class MarkovCells(AbstractCells):
         n = counts.shape[0]
         over = jnp.any(counts > self.slots)
         count = jnp.minimum(counts, self.slots).astype(jnp.int32)
-        return MarkovState(jnp.zeros((n, self.slots), dtype), count), over
+        frac = jnp.ones(n, self.scale.dtype)
+        return MarkovState(jnp.zeros((n, self.slots), dtype), count, frac), over
 
-    def refresh(self, state):
-        return state
+    def refresh(self, state, frac, cap):
+        # The last requests of a cell's packed slots leave: the origins are exchangeable
+        # for the count process (every present request is equally likely to complete).
+        keep = jnp.where(jnp.isfinite(cap), jnp.minimum(state.count, cap), state.count)
+        keep = keep.astype(jnp.int32)
+        new = MarkovState(state.origin, keep, frac.astype(state.frac.dtype))
+        return new, state.count - keep
 
     def count(self, state):
         return state.count
 
     def _fluid_rate(self, state):
-        return self.service.rate(state.count.astype(self.scale.dtype) / self.scale)
+        """$\\mu_j(N_j/(kc_j))$."""
+        return self.service.rate(state.count.astype(self.scale.dtype) / (self.scale * state.frac))
 
     def rates(self, state):
-        return self.scale * self._fluid_rate(state)
+        return self.scale * state.frac * self._fluid_rate(state)
 
     def next_time(self, state):
         return jnp.full(self.service.capacity.shape, jnp.inf, self.scale.dtype)
@@ -70,7 +85,8 @@ class MarkovCells(AbstractCells):
         # update stays in place inside the loop)
         slot = jnp.where(do, c, self.slots)
         new_origin = state.origin.at[j, slot].set(origin, mode="drop")
-        return MarkovState(new_origin, state.count.at[j].add(do.astype(jnp.int32))), ok & full
+        count = state.count.at[j].add(do.astype(jnp.int32))
+        return MarkovState(new_origin, count, state.frac), ok & full
 
     def complete(self, state, j, u, t, ok):
         c = state.count[j]
@@ -81,4 +97,4 @@ class MarkovCells(AbstractCells):
         leaving, moved = state.origin[j, jnp.stack([r, last])]
         new_origin = state.origin.at[j, jnp.where(do, r, self.slots)].set(moved, mode="drop")
         count = state.count.at[j].add(-do.astype(jnp.int32))
-        return MarkovState(new_origin, count), leaving, ok
+        return MarkovState(new_origin, count, state.frac), leaving, ok

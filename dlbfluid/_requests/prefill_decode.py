@@ -12,6 +12,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._scenario import Workload
 from .cells import AbstractCells
+from .servers import running
 
 
 class PrefillDecodeState(eqx.Module):
@@ -33,7 +34,8 @@ class PrefillDecodeState(eqx.Module):
     $\\min(p_{done}, \\min_d s_{done})$); `tokens` `(A, 3)` the tick's block of draws
     (prompt tokens, output tokens, a unit exponential), `drawn` its rows used by
     admissions; `key` the PRNG key of the draws; `read` `(3,)` the values the event's
-    completion read from the prefill rings (see `admit`).
+    completion read from the prefill rings (see `admit`); `active` `(n,)` the servers
+    running in the current tick (`servers.running`).
     """
 
     p_origin: Float[Array, "n S Q"]
@@ -57,6 +59,7 @@ class PrefillDecodeState(eqx.Module):
     drawn: Int[Array, ""]
     key: Array
     read: Float[Array, " 3"]
+    active: Int[Array, " n"]
 
 
 class PrefillDecodeCells(AbstractCells):
@@ -76,6 +79,12 @@ class PrefillDecodeCells(AbstractCells):
     **Leaf routing:** a request that reaches cell $j$ joins the server with the fewest
     requests present (prefill queue, decode queue and busy slots together), the lowest
     index on ties.
+
+    **Replica schedule:** as `FifoServers`: in a tick with replica fraction $c_j$ the
+    servers $0 .. a_j - 1$ run ($a_j = \\max(1, \\mathrm{round}(c_j\\,$`servers[j]`$))$,
+    `servers.running`), only they take new requests, and a server that goes away drains
+    the requests it holds (prefill and decode). The utilisation's denominator is $a_j$,
+    the busy fraction capped at 1.
 
     **M/M/1 cells without a `servers` object** (`exponential[j]`): one stage, an
     exponential prefill of rate `rate[j]` and no decode, i.e. `FifoServers`.
@@ -158,13 +167,18 @@ class PrefillDecodeCells(AbstractCells):
             drawn=jnp.zeros((), jnp.int32),
             key=key,
             read=jnp.zeros(3, dtype),
+            active=self.servers,
         )
         return state, over
 
-    def refresh(self, state):
+    def refresh(self, state, frac, cap):
         key, sub = jr.split(state.key)
         tokens = jnp.stack(self._draw(sub, (self.block,)), axis=-1).astype(state.tokens.dtype)
-        return dataclasses.replace(state, tokens=tokens, drawn=jnp.zeros_like(state.drawn), key=key)
+        active = running(self.servers, frac)
+        new = dataclasses.replace(
+            state, tokens=tokens, drawn=jnp.zeros_like(state.drawn), key=key, active=active
+        )
+        return new, jnp.zeros_like(active)
 
     def _load(self, state):
         return state.p_size + state.w_size + state.s_busy
@@ -180,15 +194,16 @@ class PrefillDecodeCells(AbstractCells):
 
     def utilisation(self, state):
         dtype = self.prefill_token_time.dtype
-        k = jnp.maximum(self.servers, 1).astype(dtype)
+        k = jnp.maximum(state.active, 1).astype(dtype)
         prefill = state.p_busy.astype(dtype) / k
         decode = state.d_busy.astype(dtype) / (k * self.decode_slots)
-        return jnp.where(self.servers > 0, jnp.where(self.prefill_bound, prefill, decode), 0.0)
+        u = jnp.minimum(jnp.where(self.prefill_bound, prefill, decode), 1.0)
+        return jnp.where(self.servers > 0, u, 0.0)
 
     def admit(self, state, j, origin, t, ok):
         Q = self.queue
         load = self._load(state)[j]
-        valid = jnp.arange(self.max_servers) < self.servers[j]
+        valid = jnp.arange(self.max_servers) < state.active[j]
         s = jnp.argmin(jnp.where(valid, load, jnp.iinfo(jnp.int32).max))
         full = (load[s] >= Q) | ~valid[s]
         do = ok & ~full
@@ -228,6 +243,7 @@ class PrefillDecodeCells(AbstractCells):
             drawn=state.drawn + do.astype(jnp.int32),
             key=state.key,
             read=state.read,
+            active=state.active,
         ), ok & full
 
     def complete(self, state, j, u, t, ok):
@@ -298,5 +314,6 @@ class PrefillDecodeCells(AbstractCells):
             drawn=state.drawn,
             key=state.key,
             read=jnp.stack([o_p, dw, next_work]),
+            active=state.active,
         )
         return new, leaving, left

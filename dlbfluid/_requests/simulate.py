@@ -210,7 +210,12 @@ def simulate_requests(
 
     **Arguments:**
     - `scenario`: a `Scenario`, or a batch from `stack_scenarios` (leading axis `B`).
-      Replica schedules are not supported.
+      A replica schedule $k_j(t)$ (the outage) scales each cell by its fraction
+      $c_j = k_j(t)/k_j$ of the tick (`replica_fractions` at the tick's midpoint, as in
+      `simulate`): markov cells complete at $kc_j\\mu_j(N/(kc_j))$ and drop requests above
+      the buffer $\\lfloor kc_jB_j\\rfloor$; server cells run
+      $\\max(1, \\mathrm{round}(c_jS_j))$ of their $S_j$ servers, the others draining the
+      requests they hold (theory/requests.md, *Replica schedules*).
     - `policy`: a registered policy name or an `AbstractPolicy` (`ErrorAverse` included).
     - `service`: `"markov"` (default): cell $j$ with $N$ requests completes at rate
       $k\\mu_j(N/k)$, each present request equally likely (`MarkovCells`); `"servers"`:
@@ -303,12 +308,6 @@ def simulate_requests(
 
     mask = np.asarray(scn.cell_mask)
     rc, reps = np.asarray(scn.replica_counts), np.asarray(scn.replicas)
-    if np.any(mask & np.any(rc != reps[..., None], axis=-1)):
-        raise _bad(
-            "scenario.replica_counts",
-            "a replica schedule",
-            "simulate_requests supports constant replica counts only",
-        )
     buf = np.asarray(scn.buffer)
     lam = np.asarray(scn.arrival_rates)
     if not np.all(np.isfinite(lam)):
@@ -335,6 +334,13 @@ def simulate_requests(
         count = reps * k_b[:, None]
         if np.any(mask & ~has & (np.abs(count - np.round(count)) > 1e-9)):
             raise _bad("scenario.replicas", reps.tolist(), "'servers' needs integer replicas")
+        sched = rc * k_b[:, None, None]
+        if np.any((mask & ~has)[..., None] & (np.abs(sched - np.round(sched)) > 1e-9)):
+            raise _bad(
+                "scenario.replica_counts",
+                rc.tolist(),
+                "'servers' needs integer replica counts in a replica schedule",
+            )
         if prefill_decode:
             sv, wl = scn.servers, scn.workload
             assert sv is not None and wl is not None  # (stack_scenarios fills both)
@@ -377,6 +383,8 @@ def simulate_requests(
         # and deliveries) + k sum(capacity) (completions), plus the tick's end; six
         # standard deviations above the mean.
         caps = np.where(mask, np.asarray(scn.service.capacity), 0.0)
+        # (a replica schedule above the nominal count raises the capacity with it)
+        caps = caps * np.maximum(np.max(rc, axis=-1) / np.maximum(reps, 1e-300), 1.0)
         # App.-B cells: two deterministic events per request, at most the stage capacities,
         # and in the long run the arrival rate: their sum is capped at 4 sum(lambda_max)
         # (a stage that drains a backlog faster may exceed `events`: a status).
