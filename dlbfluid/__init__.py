@@ -131,8 +131,8 @@ if TYPE_CHECKING:
     from ._theorem1 import theorem1_check as theorem1_check
     from ._theorem1 import theorem1_constants as theorem1_constants
     from ._theorem1 import theorem1_schedule as theorem1_schedule
-    from ._verify import random_network as random_network
     from ._verify import VerifyConfig as VerifyConfig
+    from ._verify import random_network as random_network
     from ._verify import verify as verify
 
 
