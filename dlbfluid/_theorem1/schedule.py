@@ -177,6 +177,7 @@ def theorem1_schedule(
     Ts = Ks * h
     eta = np.minimum(c / np.sqrt(Ts), eta0)  # (R,); the min only absorbs rounding
     R, K = len(Ts), int(Ks[-1])
+
     def rep(tree):
         return jax.tree_util.tree_map(lambda a: jnp.repeat(a, R, axis=0), tree)
 
