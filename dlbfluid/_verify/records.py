@@ -55,7 +55,10 @@ def _chunk_records(
     ]
     # Pad the chunk to a fixed batch and cell count: one compilation serves all chunks.
     fill = scns + [scns[-1]] * (chunk - len(scns))
-    batch = stack_scenarios(fill, n_cells=max([n_cells[1]] + [s.n_cells for s in scns]))
+    # Both service laws of the random networks in every chunk, whichever its scenarios use:
+    # the law set is static, so a chunk of one law alone would compile its own programs.
+    batch = stack_scenarios(fill, n_cells=max([n_cells[1]] + [s.n_cells for s in scns]),
+                            laws=("mm1", "softplus"))  # fmt: skip
     recs = [
         {
             "index": i,
