@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -45,6 +46,26 @@ _FIRST = ("test_notebooks.py", "test_examples.py", "test_distributed.py", "test_
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))
+
+
+# A worker keeps every program it compiles, and over the suite that grew to 6 GB. After a
+# module that leaves the worker above this resident size, its in-memory compiled programs
+# are dropped (`jax.clear_caches`); a later module that needs one again loads it from the
+# run's persistent cache above instead of compiling it.
+_RESIDENT_LIMIT_MB = 1200
+
+
+def _resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_worker_memory():
+    yield
+    if os.path.exists("/proc/self/statm") and _resident_mb() > _RESIDENT_LIMIT_MB:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
