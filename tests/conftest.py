@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(items):
 # module that leaves the worker above this resident size, its in-memory compiled programs
 # are dropped (`jax.clear_caches`); a later module that needs one again loads it from the
 # run's persistent cache above instead of compiling it.
-_RESIDENT_LIMIT_MB = 1200
+_RESIDENT_LIMIT_MB = 900
 
 
 def _resident_mb() -> float:
