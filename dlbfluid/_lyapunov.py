@@ -84,14 +84,20 @@ class Diagnostics(eqx.Module):
     drift_excess: Float[Array, " S"]
 
 
+def _split_delay(tau, h):
+    """`(m, r)` with $\\tau = mh + r$, $0 \\le r < h$, each with a leading unit axis (the
+    whole ticks of every delay and the remainder; shared by `_delayed` and `_tick_pairs`)."""
+    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)[None]
+    return m, jnp.maximum(tau - m[0] * h, 0.0)[None]
+
+
 def _delayed(arr, h, tau, idx, *, piecewise_constant: bool):
     """Values at $t_k - \\tau_{ij}$ from per-tick saves `arr[k]` (history = `arr[0]`).
 
     Routing is piecewise constant: $x(t_k - \\tau) = x^{q}$ with $q = \\lceil k - \\tau/h\\rceil$
     written as $k - m - [r > 0]$; workloads are interpolated linearly between ticks.
     """
-    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)[None]
-    r = jnp.maximum(tau - m[0] * h, 0.0)[None]
+    m, r = _split_delay(tau, h)
     k = idx[:, None, None]
     if piecewise_constant:
         q = jnp.maximum(k - m - (r > 0), 0)
@@ -113,8 +119,7 @@ def _tick_pairs(dx, tau, h):
     and Theorem 1's `mixed_delay` estimate both integrate against this pairing.
     """
     K = dx.shape[0] - 1
-    m = jnp.floor(tau / h + 1e-9).astype(jnp.int32)[None]
-    r = jnp.maximum(tau - m[0] * h, 0.0)[None]
+    m, r = _split_delay(tau, h)
     k = jnp.arange(K)[:, None, None]
     rows = jnp.arange(tau.shape[0])[None, :, None]
     cols = jnp.arange(tau.shape[1])[None, None, :]

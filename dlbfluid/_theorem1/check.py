@@ -113,6 +113,8 @@ class _Run(eqx.Module):
 
 class _Gaps(eqx.Module):
     d: _Data
+    f_star: Array
+    mu_star: Array
     c_star: Array
     dx: Array
     f_now: Array
@@ -128,13 +130,14 @@ def _gaps(cost, scn, N_star, x_star, t, N, x) -> _Gaps:
     f_star = cost.destination(scn, N_star)
     c_star = jnp.where(d.arc, f_star[None, :] + d.g, 0.0)
     dx = jnp.where(d.arc[None], x - x_star[None], 0.0)  # (K+1, n, n)
+    mu_star = scn.service.rate(N_star)
     f_now = cost.destination(scn, N)
-    D_now = (f_now - f_star[None]) * (scn.service.rate(N) - scn.service.rate(N_star)[None])
+    D_now = (f_now - f_star[None]) * (scn.service.rate(N) - mu_star[None])
     D_now = jnp.where(d.real[None], D_now, 0.0)
     S = jnp.sum(d.lam[None] * jnp.sum(dx * c_star[None], axis=-1), axis=-1)  # (K+1,)
     int_S = jnp.concatenate([jnp.zeros(1, t.dtype), jnp.cumsum(S[:-1] * jnp.diff(t))])
     int_D = _cumtrapz(jnp.sum(D_now, axis=-1), t)
-    return _Gaps(d, c_star, dx, f_now, D_now, int_D, int_S)
+    return _Gaps(d, f_star, mu_star, c_star, dx, f_now, D_now, int_D, int_S)
 
 
 def _average(gaps: _Gaps | _Run, t):
@@ -159,9 +162,7 @@ def _run(cost, consts: Theorem1Constants, scn, N_star, x_star, h, t, N, x) -> _R
     N_del = _delayed(N, h, d.tau, idx, piecewise_constant=False)  # N_j(t_k - tau_ij)
     x_del = _delayed(x, h, d.tau, idx, piecewise_constant=True)
     f_del = cost.destination(scn, N_del)
-    f_star = cost.destination(scn, N_star)
-    mu_star = scn.service.rate(N_star)
-    D_del = (f_del - f_star[None, None]) * (scn.service.rate(N_del) - mu_star[None, None])
+    D_del = (f_del - gp.f_star[None, None]) * (scn.service.rate(N_del) - gp.mu_star[None, None])
     return _Run(
         d=d,
         t=t,

@@ -143,8 +143,7 @@ def theorem1_schedule(
     schedule needs more than `schedule.max_ticks` ticks.
     """
     cost_ = cost_from_name(cost)
-    policy = policy_from_name("flow-" + {"rif": "rif", "latency": "lat", "gradient": "grad"}[
-        cost_.name])  # fmt: skip
+    policy = policy_from_name("flow-" + cost_.short)
     n = scenario.n_cells
     add = lambda a: jnp.asarray(a)[None]  # noqa: E731
     scn = jax.tree_util.tree_map(add, scenario.strip())
