@@ -25,7 +25,7 @@ import numpy as np
 from _batches import appb_batch
 
 import dlbfluid as dl
-from dlbfluid._projection import NETWORK_MAX, sorting_network
+from dlbfluid._policies.projection import NETWORK_MAX, sorting_network
 
 POLICY = "flow-grad"
 

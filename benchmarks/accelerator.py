@@ -309,7 +309,7 @@ def rel_diff_vs_time(N, Nref, mask, floor=1e-3):
 def exact_source_arrivals(batch, t) -> np.ndarray:
     """$\\int_0^{t_s} \\sum_i \\lambda_i$ of every scenario at the times `t` `(B, S)`, in
     float64 on the host from the piecewise-linear profiles (constant outside them), as
-    `dlbfluid._arrivals.rate_integral` defines it: the arrivals a simulation must count."""
+    `dlbfluid._scenario.arrivals.rate_integral` defines it: the arrivals a simulation must count."""
     ts = np.asarray(batch.arrival_times, np.float64)[:, :, None, :]  # (B, n, 1, P)
     rs = np.asarray(batch.arrival_rates, np.float64)[:, :, None, :]
     mask = np.asarray(batch.cell_mask)

@@ -34,7 +34,7 @@ import numpy as np
 
 import dlbfluid
 from dlbfluid._equilibrium import solve_equilibrium
-from dlbfluid._scenario import scenario_from_dict, stack_scenarios
+from dlbfluid._scenario.scenario import scenario_from_dict, stack_scenarios
 from dlbfluid._stability import batch_critical_step_size, critical_step_size
 from dlbfluid._verify import draw_scenario, flow_policies, verify
 
@@ -116,8 +116,8 @@ def bench_critical(n: int, chunk: int) -> dict:
 
 def _old_chunk(scns, chunk, horizon, tick):
     """The former `verify._chunk_records` numerics (records are not assembled)."""
-    from dlbfluid._lyapunov import batch_diagnostics
     from dlbfluid._simulate import simulate
+    from dlbfluid._theorem1.lyapunov import batch_diagnostics
 
     fill = scns + [scns[-1]] * (chunk - len(scns))
     batch = stack_scenarios(fill, n_cells=CELLS[1])

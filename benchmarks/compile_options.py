@@ -1,4 +1,4 @@
-"""What the solvers' float64 XLA option (`dlbfluid._devices._FLOAT64_OPTIONS`: XLA's
+"""What the solvers' float64 XLA option (`dlbfluid._runtime.devices._FLOAT64_OPTIONS`: XLA's
 earlier CPU fusion emitters) costs and saves, against XLA's default emitters, in one run.
 
 Each variant runs in a fresh subprocess (compiler options are fixed when a solver is first
@@ -51,8 +51,8 @@ def _child(variant: str, repeats: int, out: str, sim_cases, eq_batch: int) -> No
     from _batches import appb_batch
 
     import dlbfluid as dl
-    from dlbfluid import _devices
     from dlbfluid._equilibrium import solve_equilibrium
+    from dlbfluid._runtime import devices as _devices
 
     dl.enable_x64()
 

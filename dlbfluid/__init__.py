@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING
 __version__ = "0.2.0"
 
 if TYPE_CHECKING:
-    from ._aversion import ErrorAversion as ErrorAversion
-    from ._cache import enable_compilation_cache as enable_compilation_cache
     from ._costs import RIF as RIF
     from ._costs import AbstractCost as AbstractCost
     from ._costs import Gradient as Gradient
@@ -27,37 +25,24 @@ if TYPE_CHECKING:
     from ._costs import cost_from_name as cost_from_name
     from ._costs import destination_cost as destination_cost
     from ._costs import route_costs as route_costs
-    from ._devices import use_cpu_cores as use_cpu_cores
     from ._equilibrium import EQ_STATUS as EQ_STATUS
     from ._equilibrium import EquilibriumError as EquilibriumError
     from ._equilibrium import EquilibriumSolution as EquilibriumSolution
     from ._equilibrium import price_of_anarchy as price_of_anarchy
     from ._equilibrium import rif_latency_range as rif_latency_range
     from ._equilibrium import solve_equilibrium as solve_equilibrium
-    from ._equilibrium_grad import equilibrium_sensitivities as equilibrium_sensitivities
+    from ._equilibrium.sensitivities import equilibrium_sensitivities as equilibrium_sensitivities
     from ._errors import OverloadError as OverloadError
     from ._errors import ScenarioError as ScenarioError
-    from ._estimation import FitInfo as FitInfo
-    from ._estimation import fit_latency_model as fit_latency_model
-    from ._estimation import perturb_service as perturb_service
-    from ._estimation import sample_latency as sample_latency
-    from ._experiment import ExperimentConfig as ExperimentConfig
-    from ._experiment import run_experiment as run_experiment
-    from ._generator import GeneratedScenarios as GeneratedScenarios
-    from ._generator import generate as generate
-    from ._generator import scenario_dicts as scenario_dicts
+    from ._evaluation.experiment import ExperimentConfig as ExperimentConfig
+    from ._evaluation.experiment import run_experiment as run_experiment
+    from ._evaluation.generator import GeneratedScenarios as GeneratedScenarios
+    from ._evaluation.generator import generate as generate
+    from ._evaluation.generator import scenario_dicts as scenario_dicts
     from ._global_threshold import WorstCaseSearch as WorstCaseSearch
     from ._global_threshold import global_threshold as global_threshold
     from ._integrators import AbstractIntegrator as AbstractIntegrator
     from ._integrators import TickResult as TickResult
-    from ._lyapunov import Diagnostics as Diagnostics
-    from ._lyapunov import fit_theorem1 as fit_theorem1
-    from ._lyapunov import lyapunov_diagnostics as lyapunov_diagnostics
-    from ._lyapunov import workload_gap as workload_gap
-    from ._lyapunov import workload_potential as workload_potential
-    from ._mnlb import MNLB_STATUS as MNLB_STATUS
-    from ._mnlb import MNLBInfo as MNLBInfo
-    from ._mnlb import mnlb_weights as mnlb_weights
     from ._policies import MNLB as MNLB
     from ._policies import POLICY_NAMES as POLICY_NAMES
     from ._policies import AbstractCostPolicy as AbstractCostPolicy
@@ -70,8 +55,12 @@ if TYPE_CHECKING:
     from ._policies import TickSetup as TickSetup
     from ._policies import WeightedRandom as WeightedRandom
     from ._policies import policy_from_name as policy_from_name
+    from ._policies.aversion import ErrorAversion as ErrorAversion
+    from ._policies.mnlb_weights import MNLB_STATUS as MNLB_STATUS
+    from ._policies.mnlb_weights import MNLBInfo as MNLBInfo
+    from ._policies.mnlb_weights import mnlb_weights as mnlb_weights
+    from ._policies.projection import project_simplex as project_simplex
     from ._precision import enable_x64 as enable_x64
-    from ._projection import project_simplex as project_simplex
     from ._registry import COSTS as COSTS
     from ._registry import POLICIES as POLICIES
     from ._registry import SERVICE_MODELS as SERVICE_MODELS
@@ -81,21 +70,27 @@ if TYPE_CHECKING:
     from ._requests import RequestSolution as RequestSolution
     from ._requests import simulate_requests as simulate_requests
     from ._results import RESULTS as RESULTS
-    from ._scenario import Scenario as Scenario
-    from ._scenario import ServerCells as ServerCells
-    from ._scenario import Workload as Workload
-    from ._scenario import check_capacity as check_capacity
-    from ._scenario import default_scenario as default_scenario
-    from ._scenario import load_scenario as load_scenario
-    from ._scenario import pad_scenario as pad_scenario
-    from ._scenario import scenario_from_dict as scenario_from_dict
-    from ._scenario import scenario_to_dict as scenario_to_dict
-    from ._scenario import stack_scenarios as stack_scenarios
-    from ._scenario import weighted_random_routing as weighted_random_routing
+    from ._runtime.cache import enable_compilation_cache as enable_compilation_cache
+    from ._runtime.devices import use_cpu_cores as use_cpu_cores
+    from ._scenario.scenario import Scenario as Scenario
+    from ._scenario.scenario import ServerCells as ServerCells
+    from ._scenario.scenario import Workload as Workload
+    from ._scenario.scenario import check_capacity as check_capacity
+    from ._scenario.scenario import default_scenario as default_scenario
+    from ._scenario.scenario import load_scenario as load_scenario
+    from ._scenario.scenario import pad_scenario as pad_scenario
+    from ._scenario.scenario import scenario_from_dict as scenario_from_dict
+    from ._scenario.scenario import scenario_to_dict as scenario_to_dict
+    from ._scenario.scenario import stack_scenarios as stack_scenarios
+    from ._scenario.scenario import weighted_random_routing as weighted_random_routing
     from ._service import MM1 as MM1
     from ._service import AbstractServiceModel as AbstractServiceModel
     from ._service import ServiceModel as ServiceModel
     from ._service import Softplus as Softplus
+    from ._service.estimation import FitInfo as FitInfo
+    from ._service.estimation import fit_latency_model as fit_latency_model
+    from ._service.estimation import perturb_service as perturb_service
+    from ._service.estimation import sample_latency as sample_latency
     from ._simulate import LAYOUTS as LAYOUTS
     from ._simulate import STATUS as STATUS
     from ._simulate import Accurate as Accurate
@@ -131,6 +126,11 @@ if TYPE_CHECKING:
     from ._theorem1 import theorem1_check as theorem1_check
     from ._theorem1 import theorem1_constants as theorem1_constants
     from ._theorem1 import theorem1_schedule as theorem1_schedule
+    from ._theorem1.lyapunov import Diagnostics as Diagnostics
+    from ._theorem1.lyapunov import fit_theorem1 as fit_theorem1
+    from ._theorem1.lyapunov import lyapunov_diagnostics as lyapunov_diagnostics
+    from ._theorem1.lyapunov import workload_gap as workload_gap
+    from ._theorem1.lyapunov import workload_potential as workload_potential
     from ._verify import VerifyConfig as VerifyConfig
     from ._verify import random_network as random_network
     from ._verify import verify as verify

@@ -350,7 +350,7 @@ def summary_figure(summary: list[dict], title: str = ""):
 
 def plot_summary(summary: list[dict], path, title: str = "") -> None:
     """Normalised mean latency and error rate per policy and variant (the rows of
-    `dlbfluid._experiment.summarise`), two panels, written to `path` (PNG).
+    `dlbfluid._evaluation.experiment.summarise`), two panels, written to `path` (PNG).
 
     Left: each policy's mean latency divided by Rand's on the same scenario and trial,
     its mean (dot) and 10-90% spread across scenarios x trials (bar), with the reference

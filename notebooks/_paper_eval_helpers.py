@@ -7,7 +7,7 @@ A recorded run is the `summary.json` that `dlbfluid.run_experiment` writes:
 "normalized_latency_p90", "mean_latency", "error_rate", "error_rate_p90"}, ...]}`.
 
 The paper's findings, checked on such a summary, live in the package
-(`dlbfluid._paper_findings`, which the tests import); their names are re-exported here
+(`dlbfluid._evaluation.paper_findings`, which the tests import); their names are re-exported here
 for the notebook.
 """
 
@@ -19,17 +19,17 @@ from pathlib import Path
 
 import numpy as np
 
-from dlbfluid._experiment_config import KINDS as KINDS
-from dlbfluid._experiment_config import POLICIES as POLICIES
-from dlbfluid._paper_findings import DLB as DLB
-from dlbfluid._paper_findings import FIELDS as FIELDS
-from dlbfluid._paper_findings import Finding as Finding
-from dlbfluid._paper_findings import check as check
-from dlbfluid._paper_findings import format_findings as format_findings
-from dlbfluid._paper_findings import policies_of as policies_of
-from dlbfluid._paper_findings import value as value
-from dlbfluid._paper_findings import variant_number as variant_number
-from dlbfluid._paper_findings import variants_of as variants_of
+from dlbfluid._evaluation.config import KINDS as KINDS
+from dlbfluid._evaluation.config import POLICIES as POLICIES
+from dlbfluid._evaluation.paper_findings import DLB as DLB
+from dlbfluid._evaluation.paper_findings import FIELDS as FIELDS
+from dlbfluid._evaluation.paper_findings import Finding as Finding
+from dlbfluid._evaluation.paper_findings import check as check
+from dlbfluid._evaluation.paper_findings import format_findings as format_findings
+from dlbfluid._evaluation.paper_findings import policies_of as policies_of
+from dlbfluid._evaluation.paper_findings import value as value
+from dlbfluid._evaluation.paper_findings import variant_number as variant_number
+from dlbfluid._evaluation.paper_findings import variants_of as variants_of
 
 # ----------------------------------------------------------------------------------------
 # Reading

@@ -2,7 +2,7 @@
 
 The seed (App. B) sets each flow router's step size "inversely proportional to the mean
 network latency": eta_i = kappa_c / tau_i, tau_i the mean one-way delay from router i to the
-other cells it may route to (`dlbfluid._step_rule.paper_step_sizes`). The constant is not
+other cells it may route to (`dlbfluid._evaluation.step_rule.paper_step_sizes`). The constant is not
 given, so it is chosen once per cost family c, here, on scenarios the evaluation never
 draws: App.-B baseline scenarios of stream `--seed` (default 1000; every recorded
 experiment uses seed 0), simulated with the experiment's settings (error aversion, trial
@@ -17,7 +17,7 @@ rule (0.3 eta*, eta* the linearised critical step size) amounts to, eta* x tau_i
         [--out notebooks/results/calibration.json]
 
 Writes the ladder, the normalised latencies per kappa and the choice to `--out`; the
-choice goes into `dlbfluid._experiment_config.STEP_RULE_KAPPA` by hand (a test checks the
+choice goes into `dlbfluid._evaluation.config.STEP_RULE_KAPPA` by hand (a test checks the
 two agree).
 """
 
@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     import jax
 
     import dlbfluid as dl
-    from dlbfluid._experiment import _step_sizes, _variant_batch
-    from dlbfluid._experiment_config import STEP_RULE_KAPPA, ExperimentConfig
-    from dlbfluid._step_rule import mean_remote_delay, paper_step_sizes
+    from dlbfluid._evaluation.config import STEP_RULE_KAPPA, ExperimentConfig
+    from dlbfluid._evaluation.experiment import _step_sizes, _variant_batch
+    from dlbfluid._evaluation.step_rule import mean_remote_delay, paper_step_sizes
 
     dl.enable_x64()
 

@@ -25,7 +25,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# The command line's own cache settings and kept traced solvers (`dlbfluid._exported`) stay
+# The command line's own cache settings and kept traced solvers (`dlbfluid._runtime.exported`) stay
 # off in the tests' in-process CLI calls, which use the run's cache above and trace as the
 # API does; tests/test_cache.py turns them on where it checks them.
 os.environ.setdefault("DLBFLUID_CACHE_DIR", "off")

@@ -30,7 +30,7 @@ _VERBS = [
     ("dlbfluid._equilibrium", "solve_equilibrium"),
     ("dlbfluid._stability", "critical_step_size"),
     ("dlbfluid._verify", "verify"),
-    ("dlbfluid._experiment", "run_experiment"),
+    ("dlbfluid._evaluation.experiment", "run_experiment"),
 ]
 
 
@@ -516,7 +516,7 @@ def test_huge_step_size_warns(capsys, no_work):
 
 
 def test_experiment_progress_without_a_terminal(tmp_path, monkeypatch, capsys, no_work):
-    import dlbfluid._experiment
+    import dlbfluid._evaluation.experiment
 
     seen = {}
 
@@ -524,7 +524,7 @@ def test_experiment_progress_without_a_terminal(tmp_path, monkeypatch, capsys, n
         seen["progress"] = progress
         return {"experiment": cfg.experiment, "config": {}, "summary": []}
 
-    monkeypatch.setattr(dlbfluid._experiment, "run_experiment", fake)
+    monkeypatch.setattr(dlbfluid._evaluation.experiment, "run_experiment", fake)
     assert not __import__("sys").stderr.isatty()  # (capsys: not a terminal)
     assert main(EXP + ["--out", str(tmp_path / "e"), "--json"]) == 0
     assert seen["progress"] is True  # Progress writes a line every 10 s to a log

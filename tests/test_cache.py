@@ -1,5 +1,5 @@
 """The command line's caches (README, *Compilation cache*): where the persistent compilation
-cache lives (`_cache`), and the traced solvers kept beside it (`_exported`), which must give
+cache lives (`_runtime.cache`), and the traced solvers kept beside it (`_runtime.exported`), which must give
 the plain call's numbers bit for bit, never trace again for the same shapes, and fall back
 to tracing whenever an artefact cannot be used."""
 
@@ -12,9 +12,10 @@ import pytest
 from helpers import THREE, two_mm1
 
 import dlbfluid as dl
-from dlbfluid import _cache, _exported
 from dlbfluid import _equilibrium as eqm
 from dlbfluid._cli import main
+from dlbfluid._runtime import cache as _cache
+from dlbfluid._runtime import exported as _exported
 
 
 @pytest.mark.parametrize(
@@ -162,7 +163,7 @@ def test_solver_options_follow_the_arguments_dtype():
     """float64 programs compile with `_FLOAT64_OPTIONS` (XLA's earlier CPU fusion emitters,
     benchmarks/compile_options.py), float32 ones without them; `solver_jit` decides per
     call from the arguments, so one function serves both dtypes with one program each."""
-    from dlbfluid import _devices
+    from dlbfluid._runtime import devices as _devices
 
     f32 = jax.numpy.ones(2, jax.numpy.float32)
     assert _devices.uses_float32({"a": f32, "b": 1.0, "c": "text"})

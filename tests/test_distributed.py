@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dlbfluid._cli import main
-from dlbfluid._distributed import Processes, resolve
+from dlbfluid._runtime.distributed import Processes, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")

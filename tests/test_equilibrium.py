@@ -22,14 +22,14 @@ from helpers import both_laws
 
 import dlbfluid as dl
 from dlbfluid import _equilibrium as eqm
-from dlbfluid._devices import compiler_options
 from dlbfluid._equilibrium import (
     EQ_STATUS,
     EquilibriumError,
     price_of_anarchy,
     solve_equilibrium,
 )
-from dlbfluid._equilibrium_grad import equilibrium_sensitivities
+from dlbfluid._equilibrium.sensitivities import equilibrium_sensitivities
+from dlbfluid._runtime.devices import compiler_options
 
 COSTS = ("rif", "latency", "gradient")
 

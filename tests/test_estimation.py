@@ -14,14 +14,14 @@ import pytest
 import scipy.optimize
 import scipy.stats
 
-from dlbfluid._estimation import (
+from dlbfluid._service import ServiceModel
+from dlbfluid._service.estimation import (
     FIT_STATUS,
     _fit_batch,
     fit_latency_model,
     perturb_service,
     sample_latency,
 )
-from dlbfluid._service import ServiceModel
 
 # Four identifiable softplus cells (knee inside the sampled range, width resolvable) and one
 # M/M/1 cell. a0 = L0 - knee/capacity = 0.5, 0.2, 0.08, 1.0.

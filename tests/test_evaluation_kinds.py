@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import dlbfluid as dl
-from dlbfluid import _experiment as ex
-from dlbfluid import _step_rule
 from dlbfluid._defaults import PROBE_TICK
-from dlbfluid._experiment_config import (
+from dlbfluid._evaluation import experiment as ex
+from dlbfluid._evaluation import step_rule as _step_rule
+from dlbfluid._evaluation.config import (
     HETEROGENEITY_CVS,
     STEP_RULE_KAPPA,
     TICKS,
@@ -68,7 +68,7 @@ def test_the_oracle_rule_under_noise_sees_the_routers_model():
 
 
 def test_homogeneous_cells_share_token_times_and_cv_is_the_spread():
-    from dlbfluid._generator import DECODE_TOKEN_TIME_S, PREFILL_TOKEN_TIME_S, generate
+    from dlbfluid._evaluation.generator import DECODE_TOKEN_TIME_S, PREFILL_TOKEN_TIME_S, generate
 
     base = generate(3, 40)
     homo = generate(3, 40, token_time_cv=0.0)
@@ -187,7 +187,7 @@ def _rows(values):
 def test_findings_for_the_new_kinds():
     """The notebook's checks of the homogeneous, heterogeneity and tick kinds (their
     verdicts feed the README's findings list)."""
-    from dlbfluid import _paper_findings as h
+    from dlbfluid._evaluation import paper_findings as h
 
     dlb = dict.fromkeys(h.DLB, 0.95)
     (f,) = h.check_homogeneous(_rows({"homogeneous": {"rand": 1.0, **dlb}}))

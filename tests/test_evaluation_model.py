@@ -12,7 +12,7 @@ import pytest
 from scipy.optimize import brentq
 
 import dlbfluid as dl
-from dlbfluid._aversion import ErrorAversion
+from dlbfluid._policies.aversion import ErrorAversion
 
 H = 0.05
 
@@ -252,7 +252,7 @@ def test_window_width_against_profile_loop():
 def test_profile_window_is_exact(monkeypatch):
     # Generated scenarios carry ~60 arrival breakpoints; each tick integrates over a window
     # of a few of them. Forcing the full profile must give the same trajectory.
-    from dlbfluid._generator import generate, scenario_dicts
+    from dlbfluid._evaluation.generator import generate, scenario_dicts
     from dlbfluid._simulate import verb as sim
 
     d = scenario_dicts(generate(3, 1, max_cells=4), event="spikes", trial=1, horizon=120.0)[0]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import dlbfluid as dl
-from dlbfluid import _experiment as ex
 from dlbfluid._cli import _one_process, main
 from dlbfluid._defaults import PROBE_TICK
+from dlbfluid._evaluation import experiment as ex
 
 POLS = ("rand", "mnlb", "flow-grad")
 
@@ -56,7 +56,7 @@ def test_files_and_rows(first_run):
 def test_rand_rows_match_a_direct_simulation(first_run):
     # The runner's Rand latency is the plain simulator's on the same generated scenario.
     out, _ = first_run
-    from dlbfluid._generator import generate, scenario_dicts
+    from dlbfluid._evaluation.generator import generate, scenario_dicts
 
     gen = generate(0, 2)
     d = scenario_dicts(gen, event="burst", trial=0, horizon=6.0, fluctuation=0.1)[1]
@@ -192,7 +192,7 @@ def test_cli_rejects_bad_policy(capsys, tmp_path):
 def test_cli_experiment_takes_every_core(capsys, monkeypatch, tmp_path):
     """`experiment` asks for a CPU device per core before any work (one process only);
     the other commands do not, and a bad `DLBFLUID_CPU_DEVICES` stops the command."""
-    from dlbfluid import _devices
+    from dlbfluid._runtime import devices as _devices
 
     calls = []
     monkeypatch.setattr(_devices, "use_cpu_cores", lambda: calls.append(1))
@@ -216,7 +216,7 @@ def test_cli_experiment_takes_every_core(capsys, monkeypatch, tmp_path):
 
 def test_cpu_devices_wanted():
     """The device count `use_cpu_cores` asks for, from the environment."""
-    from dlbfluid._devices import _cores, cpu_devices_wanted
+    from dlbfluid._runtime.devices import _cores, cpu_devices_wanted
 
     assert cpu_devices_wanted({}) == _cores() >= 1
     assert cpu_devices_wanted({"DLBFLUID_CPU_DEVICES": "auto"}) == _cores()

@@ -9,7 +9,7 @@ import scipy.optimize
 import scipy.stats
 
 import dlbfluid as dl
-from dlbfluid import _generator as g
+from dlbfluid._evaluation import generator as g
 
 BIG = 3000  # scenarios for the statistical tests (about 18000 cells)
 

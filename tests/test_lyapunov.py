@@ -9,7 +9,7 @@ from helpers import THREE, both_laws, random_scenario
 
 import dlbfluid as dl
 from dlbfluid._equilibrium import solve_equilibrium
-from dlbfluid._lyapunov import (
+from dlbfluid._theorem1.lyapunov import (
     fit_theorem1,
     loglog_slope,
     lyapunov_diagnostics,

@@ -1,4 +1,4 @@
-"""MNLB routing-weight optimiser (`dlbfluid._mnlb`, theory/mnlb.md).
+"""MNLB routing-weight optimiser (`dlbfluid._policies.mnlb_weights`, theory/mnlb.md).
 
 References: `scipy.optimize.linprog` (HiGHS) for the capped LP, and a three-stage HiGHS
 lexicographic solve (smallest common overflow, then total overflow, then latency) for the
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.optimize import linprog
 
-from dlbfluid._mnlb import MNLB_STATUS, mnlb_weights
+from dlbfluid._policies.mnlb_weights import MNLB_STATUS, mnlb_weights
 
 HIGHS = dict(primal_feasibility_tolerance=1e-10, dual_feasibility_tolerance=1e-10)
 N = 8  # the size of the random batches (one compiled shape)

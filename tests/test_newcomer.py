@@ -227,8 +227,8 @@ def test_experiment_manifest_labels_agree_with_the_cli_table():
     import ast
     import inspect
 
-    from dlbfluid import _experiment
     from dlbfluid._cli._flags import EXPERIMENT
+    from dlbfluid._evaluation import experiment as _experiment
 
     tree = ast.parse(inspect.getsource(_experiment))
     tables = [ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)

@@ -41,7 +41,7 @@ def test_sorting_network_sorts():
     """`sorting_network(n)` sorts every 0-1 input for n <= 14 (so, by the 0-1 principle,
     every input), and random inputs with ties up to 40; its sizes are Batcher's (0, 1, 3,
     5, 9, 12, 16, 19, 28, 32 comparators for n = 1..10)."""
-    from dlbfluid._projection import sorting_network
+    from dlbfluid._policies.projection import sorting_network
 
     def run(n, a):
         a = a.copy()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dlbfluid._defaults import PROBE_TICK
-from dlbfluid._experiment_config import KINDS, ExperimentConfig, variants
+from dlbfluid._evaluation.config import KINDS, ExperimentConfig, variants
 
 ROOT = Path(__file__).parent.parent
 RESULTS = ROOT / "notebooks" / "results"

@@ -13,7 +13,7 @@ import scipy.optimize
 
 import dlbfluid as dl
 from dlbfluid import scenario_from_dict, simulate_requests
-from dlbfluid._generator import generate, scenario_dicts
+from dlbfluid._evaluation.generator import generate, scenario_dicts
 
 LAM = 5.0
 

@@ -1,4 +1,4 @@
-"""Resumable output directories (`dlbfluid._manifest`): a rerun resumes only the same run.
+"""Resumable output directories (`dlbfluid._runtime.manifest`): a rerun resumes only the same run.
 
 `verify`'s per-chunk numerics are replaced by records computed from each scenario's own
 draw and the run's settings (as in tests/test_distributed.py), and the experiment's
@@ -14,9 +14,9 @@ import pytest
 
 import dlbfluid
 import dlbfluid._verify.records
-from dlbfluid import _experiment as ex
 from dlbfluid._cli import main
-from dlbfluid._manifest import MANIFEST
+from dlbfluid._evaluation import experiment as ex
+from dlbfluid._runtime.manifest import MANIFEST
 
 VERIFY = [
     "verify",

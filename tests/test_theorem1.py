@@ -17,8 +17,7 @@ from helpers import LAWS, THREE, random_scenario, symmetric_pair
 import dlbfluid as dl
 from dlbfluid._cli import main
 from dlbfluid._equilibrium import solve_equilibrium
-from dlbfluid._lyapunov import fit_theorem1
-from dlbfluid._scenario import scenario_from_dict, stack_scenarios
+from dlbfluid._scenario.scenario import scenario_from_dict, stack_scenarios
 from dlbfluid._stability import batch_critical_step_size, critical_step_size
 from dlbfluid._theorem1 import (
     ESTIMATES,
@@ -31,6 +30,7 @@ from dlbfluid._theorem1 import (
     schedule_slope,
     window_ratio,
 )
+from dlbfluid._theorem1.lyapunov import fit_theorem1
 from dlbfluid._verify import verify
 
 KW = dict(chunk=2, n_cells=(2, 3), horizon=20.0, tick=0.1)

@@ -201,7 +201,7 @@ def cli_vocabulary() -> tuple[frozenset[str], frozenset[str]]:
 
 @cache
 def module_files() -> dict[str, tuple[Path, ...]]:
-    """`{module stem: its files}` (`_lyapunov`, `strategy`, `helpers`; a package's
+    """`{module stem: its files}` (`lyapunov`, `strategy`, `helpers`; a package's
     `__init__.py` under the package's name)."""
     out: dict[str, list[Path]] = {}
     for path in _files(*SEARCHED):
@@ -335,7 +335,7 @@ def test_the_resolver_reports_fake_citations():
         "test_a_test_that_was_never_written",
         "tests/test_simulate.py::test_a_test_that_was_never_written",
         "tests/test_no_such_file.py",
-        "dlbfluid/_scenario.py::no_such_function",
+        "dlbfluid/_scenario/scenario.py::no_such_function",
         "helpers.no_such_helper",
         "dlbfluid/_no_such_module.py",
         "dlbfluid._simulate.loop.no_such_function",
@@ -375,7 +375,7 @@ def test_the_resolver_reports_fake_citations():
         "two_mm1(2, 1, 1.5, 0.5)",
         "not_converged",
         "RESULTS.success",
-        "dlbfluid/_scenario.py::replica_scale",
+        "dlbfluid/_scenario/scenario.py::replica_scale",
         "helpers.symmetric_pair",
         "results.csv",
     ]

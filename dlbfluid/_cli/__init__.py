@@ -3,12 +3,12 @@
 Each sub-command lives in its own module exposing `register(subparsers)`, which adds its
 parser and sets `func` (called with the parsed arguments, returning an exit code). The
 sub-commands with the options of `_common.add_process_options` run across processes
-(`dlbfluid._distributed`): `main` starts them before the work and passes them on as
+(`dlbfluid._runtime.distributed`): `main` starts them before the work and passes them on as
 `args.processes`.
 
 Parsing (and `--help`) imports no JAX: the sub-command modules import the numerics inside
 `func`, and the package loads its public names on first use. Before a command runs, `main`
-enables float64 and the persistent compilation cache (`dlbfluid._cache`).
+enables float64 and the persistent compilation cache (`dlbfluid._runtime.cache`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _COMMANDS = [_simulate, _demo]
 # as one process: `experiment` (1.6x on 2 cores, the same results; benchmarks/README,
 # *Every core a device*). `verify` gained 1.1x only (its time is in the equilibrium and
 # stability solvers) and its per-device batches round differently in the last bits; the
-# others keep one device and their kept traced programs (`dlbfluid._exported`, one device
+# others keep one device and their kept traced programs (`dlbfluid._runtime.exported`, one device
 # only), which matter more to their latency.
 _CORE_COMMANDS = ("experiment",)
 
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_process(args) -> bool:
-    from .._distributed import resolve
+    from .._runtime.distributed import resolve
 
     if not hasattr(args, "process_id"):
         return True
@@ -74,20 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from .. import enable_x64
-    from .._cache import enable_from_environment
-    from .._exported import exporting
+    from .._runtime.cache import enable_from_environment
+    from .._runtime.exported import exporting
 
     enable_x64()
     cache = enable_from_environment()
     procs = None
     try:
         if args.command in _CORE_COMMANDS and _one_process(args):
-            from .._devices import use_cpu_cores
+            from .._runtime.devices import use_cpu_cores
 
             use_cpu_cores()
         if hasattr(args, "process_id"):  # a command that runs across processes
             procs = args.processes = start_processes(args)
-        with exporting(cache):  # traced solvers kept beside the compiled ones (`_exported`)
+        with exporting(cache):  # traced solvers kept beside the compiled ones (`_runtime.exported`)
             code = int(args.func(args) or 0)
     except ScenarioError as e:
         print(f"dlbfluid {args.command}: error: {e}", file=sys.stderr)

@@ -21,7 +21,7 @@ def load_scenario_arg(path: str, *, allow_overload: bool = False, command: str |
     that fits `command`: `simulate` accepts `--allow-overload`; the equilibrium and
     stability commands need demand strictly within capacity and point to `simulate`.
     """
-    from .._scenario import _check_capacity, default_scenario, load_scenario
+    from .._scenario.scenario import _check_capacity, default_scenario, load_scenario
 
     if path == "default":
         scn = default_scenario()
@@ -278,7 +278,7 @@ def warn(command: str, message: str) -> None:
 
 def doing(command: str, what: str) -> None:
     """One line on stderr saying what a command is about to compute, and whether it may
-    compile first (the persistent cache, `dlbfluid._cache`, makes a second call with the
+    compile first (the persistent cache, `dlbfluid._runtime.cache`, makes a second call with the
     same shapes load its programs instead): a slow first call never runs silently, and a
     warm one does not claim to compile."""
     import jax
@@ -355,7 +355,7 @@ def add_run_options(p: argparse.ArgumentParser, *, horizon: float) -> None:
 
 def add_process_options(p: argparse.ArgumentParser) -> None:
     """`--coordinator`, `--num-processes`, `--process-id`, `--detect-cluster`: one run
-    shared by several processes and hosts (`dlbfluid._distributed`; README, *On a
+    shared by several processes and hosts (`dlbfluid._runtime.distributed`; README, *On a
     cluster*)."""
     g = p.add_argument_group(
         "across processes and hosts (jax.distributed)",
@@ -402,7 +402,7 @@ def start_processes(args):
     """The `Processes` of this run from the options of `add_process_options` (validated
     before any work; `jax.distributed` initialised when there are several), after
     checking that every process runs the same command with the same options."""
-    from .._distributed import start
+    from .._runtime.distributed import start
 
     procs = start(args.coordinator, args.num_processes, args.process_id, detect=args.detect_cluster)
     if procs.count > 1:

@@ -109,7 +109,7 @@ def _check_args(args) -> tuple[tuple[str, ...], int, Path]:
 def run(args) -> int:
     from .._equilibrium import solve_equilibrium
     from .._plot import plot_trajectories
-    from .._scenario import default_scenario
+    from .._scenario.scenario import default_scenario
     from .._simulate import simulate
 
     names, K, out = _check_args(args)
@@ -248,7 +248,7 @@ def run(args) -> int:
 def _mnlb_note(scn, sol, horizon: float) -> str:
     """Why MNLB can trail Rand here: it minimises network latency alone, under its cap.
 
-    MNLB uses no latency model: its linear program (`dlbfluid._mnlb`) moves traffic only
+    MNLB uses no latency model: its linear program (`dlbfluid._policies.mnlb_weights`) moves traffic only
     to keep each cell under the cap. The cells' utilisation $z_j/\\bar\\mu_j$ at the end
     of the run, with $z_j = \\sum_i \\lambda_i(T) x_{ij}(T)$, and the share of traffic
     served where it arrives say where its latency comes from.

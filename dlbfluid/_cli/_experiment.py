@@ -18,7 +18,7 @@ from ._flags import EXPERIMENT, relabel
 
 def register(sub) -> None:
     from .._defaults import PROBE_TICK, STEP_RULES
-    from .._experiment_config import KINDS, POLICIES
+    from .._evaluation.config import KINDS, POLICIES
     from .._registry import POLICIES as REGISTERED
 
     p = sub.add_parser(
@@ -118,7 +118,7 @@ def register(sub) -> None:
 
 def _config(args):
     """The `ExperimentConfig` of the options; its refusals name the options."""
-    from .._experiment_config import MODELS, SERVICES, ExperimentConfig
+    from .._evaluation.config import MODELS, SERVICES, ExperimentConfig
 
     if args.model not in MODELS:
         raise ValueError(f"--model = {args.model!r} is invalid: allowed {', '.join(MODELS)}")
@@ -163,7 +163,7 @@ def run(args) -> int:
     """Options, then `--out`, are checked before anything is drawn or simulated. Progress
     goes to stderr unless `--no-progress`: redrawn on a terminal, otherwise one line every
     10 s (a log file)."""
-    from .._experiment import run_experiment
+    from .._evaluation.experiment import run_experiment
 
     cfg = _config(args)
     out = args.out or f"experiment-{args.kind}"

@@ -4,7 +4,7 @@ The library names its arguments and configuration fields in its errors (`scenari
 invalid: ...`), as a Python caller wrote them; the command line says the option the user
 typed instead (`--scenarios = 0 is invalid: ...`). Each verb's correspondence lives here,
 once: the commands relabel the library's messages with `relabel`, and the resumable
-commands give the same table to the output directory's manifest (`dlbfluid._manifest`,
+commands give the same table to the output directory's manifest (`dlbfluid._runtime.manifest`,
 `labels=`) so that a changed setting is named by its option.
 """
 

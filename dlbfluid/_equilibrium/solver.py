@@ -9,8 +9,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._devices import per_device, solver_jit
 from .._results import RESULTS
+from .._runtime.devices import per_device, solver_jit
 from .interior_point import InteriorPoint
 from .polish import ActiveSetPolish
 from .problem import _certify, _make_problem, _Problem

@@ -12,17 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._devices import per_device
-from .._lyapunov import workload_gap
-from .._projection import project_simplex
+from .._policies.projection import project_simplex
 from .._results import RESULTS
-from .._scenario import Scenario
+from .._runtime.devices import per_device
+from .._scenario.scenario import Scenario
 from .._simulate import (
     _chunked,
     _init_state,
     _setup,
     _tick,
 )
+from .._theorem1.lyapunov import workload_gap
 from .config import WorstCaseSearch
 
 

@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int
 
-from .._arrivals import rate_integral
+from .._scenario.arrivals import rate_integral
 from .._shapes import like
 
 

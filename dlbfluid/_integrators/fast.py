@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._arrivals import rate_slope
 from .._results import RESULTS
+from .._scenario.arrivals import rate_slope
 from .._shapes import lead
 from .base import AbstractIntegrator, TickResult, arc_integrals, scaled_rate
 

@@ -6,7 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .._aversion import ErrorAversion, apply_aversion, aversion_update, ema_update
+from .aversion import ErrorAversion, apply_aversion, aversion_update, ema_update
 from .base import AbstractPolicy
 
 
@@ -30,7 +30,7 @@ class AversionState(eqx.Module):
 class ErrorAverse(AbstractPolicy):
     """`policy` with error aversion: the routing sent is the policy's, thinned by the
     roots' aversion to cells that drop requests and renormalised,
-    $\\tilde x_{ij} = x_{ij}(1-a_{ij})/\\sum_l x_{il}(1-a_{il})$ (`dlbfluid._aversion`).
+    $\\tilde x_{ij} = x_{ij}(1-a_{ij})/\\sum_l x_{il}(1-a_{il})$ (`dlbfluid._policies.aversion`).
 
     The wrapped policy keeps routing on its own, unthinned, state; its `name` and `cost`
     are the wrapper's.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import equinox as eqx
 
 from .._costs import AbstractCost, cost_from_name, short_name
-from .._projection import project_simplex
 from .base import AbstractCostPolicy
+from .projection import project_simplex
 
 
 class FlowRouting(AbstractCostPolicy):

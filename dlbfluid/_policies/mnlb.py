@@ -5,9 +5,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .._arrivals import rate_integral
-from .._mnlb import mnlb_weights
+from .._scenario.arrivals import rate_integral
 from .base import AbstractPolicy, replica_fractions
+from .mnlb_weights import mnlb_weights
 
 
 class MNLB(AbstractPolicy):
@@ -19,7 +19,7 @@ class MNLB(AbstractPolicy):
     period, $\\bar\\lambda_i = T_u^{-1}\\int_{t_p-T_u}^{t_p}\\lambda_i$ (the rates are
     extrapolated as constant before $t=0$), and the cells' capacities at $t_p$ (MNLB is
     capacity-aware: it sees an outage at its next update), and solves the linear program
-    of `dlbfluid._mnlb.mnlb_weights` (theory/mnlb.md). It does not use the latency models,
+    of `dlbfluid._policies.mnlb_weights.mnlb_weights` (theory/mnlb.md). It does not use the latency models,
     so it is immune to estimation noise.
     """
 

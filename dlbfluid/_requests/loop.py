@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int
 
-from .._arrivals import rate_at
 from .._policies import AbstractPolicy, Observation, TickSetup
 from .._policies.base import replica_fractions
-from .._scenario import Scenario
+from .._scenario.arrivals import rate_at
+from .._scenario.scenario import Scenario
 from .cells import AbstractCells
 from .histogram import LatencyHistogram
 

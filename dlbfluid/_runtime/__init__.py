@@ -1,5 +1,8 @@
-"""Runtime plumbing shared by the verbs: the resumable sweep that `verify` and
-`run_experiment` both run (`sweep`)."""
+"""Runtime plumbing shared by the verbs, below the numerics: placing a batch on the devices
+(`devices`), one run over several processes (`distributed`), programs kept on disk
+(`exported`) and the persistent compilation cache (`cache`), progress lines (`progress`),
+the manifest of a resumable output directory (`manifest`), and the one resumable sweep
+that `verify` and `run_experiment` share (`sweep`)."""
 
 from .sweep import CsvRows as CsvRows
 from .sweep import JsonLines as JsonLines

@@ -2,7 +2,7 @@
 record per scenario) and `run_experiment` (CSV, one row per scenario and trial) both run.
 
 A sweep is a list of *units* of work. Process 0 checks the output directory (its
-manifest, `dlbfluid._manifest`) and reads what is already done, dropping a torn last line
+manifest, `dlbfluid._runtime.manifest`) and reads what is already done, dropping a torn last line
 (a run killed while writing); every process learns from it which units are left, or the
 error that stops them all (`Sweep.open`). The units left are computed in order, each
 process its share (`Sweep.run`: whole units, `count` at a time, or each unit's rows
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from .._distributed import Processes
+from .distributed import Processes
 
 U = TypeVar("U")
 

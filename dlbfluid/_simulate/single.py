@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._aversion import ErrorAversion
 from .._integrators import AbstractIntegrator, Fast
 from .._policies import AbstractPolicy, ErrorAverse, TickSetup, policy_from_name
+from .._policies.aversion import ErrorAversion
 from .._precision import float_dtype
-from .._scenario import Scenario
+from .._scenario.scenario import Scenario
 from .loop import SavePoint, SimState, _hist_len, _init_state, _record, _setup, _tick
 from .window import _window_width
 

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._devices import per_device, solver_jit
+from .._runtime.devices import per_device, solver_jit
 from .batchlast import vmap_last
 from .loop import _setup
 from .single import Simulator

@@ -15,15 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _exported as exported
-from .._aversion import ErrorAversion
-from .._devices import compiler_options, shard_batch, uses_float32
 from .._integrators import AbstractIntegrator, Fast
 from .._policies import AbstractPolicy
+from .._policies.aversion import ErrorAversion
 from .._precision import float_dtype
-from .._progress import Progress
 from .._results import RESULTS
-from .._scenario import Scenario
+from .._runtime import exported
+from .._runtime.devices import compiler_options, shard_batch, uses_float32
+from .._runtime.progress import Progress
+from .._scenario.scenario import Scenario
 from .loop import _hist_len
 from .options import DEFAULTS, LAYOUTS, SimulateOptions, _chosen_chunk, default_layout
 from .single import cast, check_options, looped_policy
@@ -298,7 +298,7 @@ def _run(scn: Scenario, grid: _Grid, run: _Run):
 def _call(args, policy, integrator, static):
     """The compiled program on `args`. The policy's and integrator's arrays are
     arguments, the rest of them static (as `filter_jit` splits them), so that the command
-    line can keep the traced program (`_exported`; not with a progress callback, which
+    line can keep the traced program (`_runtime.exported`; not with a progress callback, which
     cannot be exported)."""
     dyn, fixed = eqx.partition((policy, integrator), eqx.is_array)
 

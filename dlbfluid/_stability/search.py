@@ -10,7 +10,7 @@ import sys
 import equinox as eqx
 import numpy as np
 
-from .._progress import Progress
+from .._runtime.progress import Progress
 from .linearisation import Linearisation
 from .symmetric import symmetric_critical_gain
 
@@ -67,7 +67,7 @@ class StabilityResult(eqx.Module):
 
 
 class Steps:
-    """Progress of the crossing search on stderr (`dlbfluid._progress.Progress`): one unit
+    """Progress of the crossing search on stderr (`dlbfluid._runtime.progress.Progress`): one unit
     per stability test; the total is re-estimated once the bracket is known."""
 
     def __init__(self, enabled: bool, label: str, total: int):

@@ -31,7 +31,6 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from .._costs import cost_from_name
-from .._lyapunov import _check_per_tick, _cumtrapz, _delayed, _tick_pairs, workload_potential
 from .constants import (
     StartTerms,
     Theorem1Constants,
@@ -40,6 +39,7 @@ from .constants import (
     batch_start_terms,
     batch_theorem1_constants,
 )
+from .lyapunov import _check_per_tick, _cumtrapz, _delayed, _tick_pairs, workload_potential
 
 ESTIMATES = (
     "routing_speed",

@@ -41,8 +41,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from .._costs import cost_from_name
-from .._lyapunov import workload_gap, workload_potential_per_cell
 from .._shapes import like
+from .lyapunov import workload_gap, workload_potential_per_cell
 
 # The threshold search scans N* + s u over these offsets u (s = 1 + N*_j), then bisects the
 # last sign change (ratio 1.023 between grid points; 15 decades above N*).

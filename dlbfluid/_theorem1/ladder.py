@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._costs import cost_from_name
-from .._lyapunov import _cumtrapz, fit_theorem1, loglog_slope, workload_gap
 from .._policies import policy_from_name
 from .._simulate import simulate
 from .._stability import scale_delays
+from .lyapunov import _cumtrapz, fit_theorem1, loglog_slope, workload_gap
 
 # A ladder point lies under the fitted bound when distance <= (1 + BOUND_TOLERANCE) bound.
 BOUND_TOLERANCE = 0.25

@@ -24,7 +24,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from .._costs import cost_from_name
-from .._lyapunov import (
+from .lyapunov import (
     _check_per_tick,
     _cumtrapz,
     _delayed,

@@ -9,7 +9,7 @@ import json
 import math
 
 from .._defaults import STEP_BASES, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
-from .._experiment_config import STEP_RULE_KAPPA
+from .._evaluation.config import STEP_RULE_KAPPA
 from .._global_threshold import WorstCaseSearch
 from .._policies import FlowRouting, policy_from_name
 from .._registry import flow_policy_names

@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from .._generator import generate, scenario_dicts
-from .._scenario import check_capacity, scenario_from_dict
+from .._evaluation.generator import generate, scenario_dicts
+from .._scenario.scenario import check_capacity, scenario_from_dict
 
 
 def random_network(

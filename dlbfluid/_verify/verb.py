@@ -5,7 +5,7 @@ For every scenario: solve the equilibria, compute every flow policy's critical s
 for the whole chunk at once, Theorem 1's constants, one run per flow policy, Theorem 1's
 check and the projection check along it (`records`). Results are appended to a JSON-lines
 file chunk by chunk, so that a killed run resumes where it stopped without losing or
-duplicating a scenario; the directory's manifest (`dlbfluid._manifest`) refuses a rerun
+duplicating a scenario; the directory's manifest (`dlbfluid._runtime.manifest`) refuses a rerun
 with other settings (`VerifyConfig.manifest`).
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import jax
 
-from .._distributed import Processes
-from .._manifest import open_manifest, resume_note
-from .._progress import Progress
 from .._runtime import JsonLines, Sweep
+from .._runtime.distributed import Processes
+from .._runtime.manifest import open_manifest, resume_note
+from .._runtime.progress import Progress
 from . import records as _records
 from .config import _FLAGS, DEFAULT_CHUNK, VerifyConfig, flow_policies
 from .networks import _AppB, draw_scenario
@@ -62,7 +62,7 @@ def verify(
     one scenario dict (scenario-file format) instead; `n_scenarios` must then be 1.
 
     `step_rule`: `"oracle"` ($\\eta = $ `step_fraction` $\\times\\,\\eta^*$) or `"paper"`
-    (router $i$ takes $\\eta_i = \\kappa_c/\\bar\\tau_i$, `dlbfluid._experiment.paper_step_sizes`;
+    (router $i$ takes $\\eta_i = \\kappa_c/\\bar\\tau_i$, `dlbfluid._evaluation.experiment.paper_step_sizes`;
     $\\eta^*$ is then the critical scaling of that profile, so `eta_over_eta_star` is how far
     below it the rule runs, and `step_size` is the largest router step).
 
@@ -88,7 +88,7 @@ def verify(
     the manifest only: `batch_critical_step_size` solves the exact characteristic
     equation (theory/stability.md §7).
 
-    `processes`: the processes sharing the run (`dlbfluid._distributed`, the command
+    `processes`: the processes sharing the run (`dlbfluid._runtime.distributed`, the command
     line's `--coordinator`...; default this one alone). Every process calls `verify` with
     the same arguments and computes whole chunks; process 0 alone reads and writes
     `out_dir`, shows progress and returns the summary (the others return `None`), equal
@@ -96,7 +96,7 @@ def verify(
 
     `out_dir`: where the records are appended (`results.jsonl`, chunk by chunk) and the
     summary written (`summary.json`); a rerun with the same `out_dir` resumes, computing
-    only the scenarios not yet there. The directory's manifest (`dlbfluid._manifest`,
+    only the scenarios not yet there. The directory's manifest (`dlbfluid._runtime.manifest`,
     `manifest.json`) records every argument that changes a number (`n_scenarios`,
     `seed`, `n_cells`, `horizon`, `tick`, `step_fraction`, `conv_tol`, `nodes`, the
     policies and the name of a custom `draw`; `generator`, a fingerprint of a given

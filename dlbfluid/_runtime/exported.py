@@ -1,6 +1,6 @@
 """Traced programs kept on disk for the command line (README, *Compilation cache*).
 
-JAX's persistent compilation cache (`_cache`) saves the XLA compilation of a program, but
+JAX's persistent compilation cache (`cache`) saves the XLA compilation of a program, but
 every process still traces the Python code into a program first, and for the solvers'
 nested, vmapped convergence loops the tracing takes longer than loading the compiled
 code: about 2 s of the 2.5 s a warm `dlbfluid equilibrium` spends per cost. Inside a
@@ -56,7 +56,7 @@ def _source_digest() -> str:
     between the commits of a git checkout or the edits of an editable install, and a
     program traced from other code must not be reused."""
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._costs import AbstractCost, cost_from_name
-from ._equilibrium import solve_equilibrium
-from ._scenario import Scenario
+from .._costs import AbstractCost, cost_from_name
+from .._scenario.scenario import Scenario
+from . import solve_equilibrium
 
 
 def _spanning_forest(flow: np.ndarray, support: np.ndarray) -> np.ndarray:

@@ -3,7 +3,7 @@ the six DLB policies against Rand and MNLB, bursts, outages, spikes, duration sc
 estimation noise (theory/evaluation.md).
 
 An experiment is a list of *variants* (e.g. utilisation 0.5 ... 0.95); each variant draws
-`scenarios` scenarios from the App-B generator (`_generator.generate`, seeded by
+`scenarios` scenarios from the App-B generator (`generator.generate`, seeded by
 `(seed, index)`) and `trials` arrival-rate fluctuation trials of each, and simulates the
 whole `scenarios x trials` batch under each policy in one vmapped call. The unit of work is
 one `(variant, policy)` batch: its rows are appended to `results.csv` and fsync'ed
@@ -30,27 +30,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._aversion import ErrorAversion
-from ._distributed import Processes
-from ._equilibrium import solve_equilibrium
-from ._estimation import fit_latency_model, perturb_service, sample_latency
-from ._experiment_config import KINDS as KINDS
-from ._experiment_config import POLICIES as POLICIES
-from ._experiment_config import ExperimentConfig
-from ._experiment_config import variants as _variants
-from ._generator import TOKEN_TIME_CV, generate, scenario_dicts
-from ._integrators import Fast
-from ._manifest import MANIFEST, open_manifest, resume_note
-from ._plot import plot_summary as plot_summary
-from ._policies import MNLB, ErrorAverse, FlowRouting, policy_from_name
-from ._precision import require_x64
-from ._progress import Progress
-from ._requests import simulate_requests
-from ._runtime import CsvRows, Sweep
-from ._scenario import scenario_from_dict, stack_scenarios
-from ._simulate import simulate
-from ._stability import batch_critical_step_size
-from ._step_rule import padded, paper_step_sizes
+from .._equilibrium import solve_equilibrium
+from .._integrators import Fast
+from .._plot import plot_summary as plot_summary
+from .._policies import MNLB, ErrorAverse, FlowRouting, policy_from_name
+from .._policies.aversion import ErrorAversion
+from .._precision import require_x64
+from .._requests import simulate_requests
+from .._runtime import CsvRows, Sweep
+from .._runtime.distributed import Processes
+from .._runtime.manifest import MANIFEST, open_manifest, resume_note
+from .._runtime.progress import Progress
+from .._scenario.scenario import scenario_from_dict, stack_scenarios
+from .._service.estimation import fit_latency_model, perturb_service, sample_latency
+from .._simulate import simulate
+from .._stability import batch_critical_step_size
+from .config import KINDS as KINDS
+from .config import POLICIES as POLICIES
+from .config import ExperimentConfig
+from .config import variants as _variants
+from .generator import TOKEN_TIME_CV, generate, scenario_dicts
+from .step_rule import padded, paper_step_sizes
 
 FIT_SAMPLES = 500
 
@@ -328,7 +328,7 @@ def run_experiment(
     `FIELDS`), `summary.csv` and `summary.json` (`summarise`), `<experiment>.png`
     (`plot_summary`).
 
-    `processes`: the processes sharing the run (`dlbfluid._distributed`, the command
+    `processes`: the processes sharing the run (`dlbfluid._runtime.distributed`, the command
     line's `--coordinator`...; default this one alone). Every process calls
     `run_experiment` with the same arguments and simulates its contiguous share of the
     scenarios (all their trials) of every `(variant, policy)` batch; the batch-wide
@@ -502,7 +502,7 @@ def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], lis
     """Create or check `out` (`manifest.json`, `config.json`), drop a torn unit from
     `results.csv`, and return the complete units already there.
 
-    The manifest (`dlbfluid._manifest`) holds `cfg.to_json()` and the package version: a
+    The manifest (`dlbfluid._runtime.manifest`) holds `cfg.to_json()` and the package version: a
     different configuration or version is refused (`ValueError` naming each changed
     field). A directory of a version without manifests holds `config.json` alone: it is
     checked against `cfg` and, when equal, adopted (its version was not recorded) by

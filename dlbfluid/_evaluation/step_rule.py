@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._experiment_config import STEP_RULE_KAPPA
+from .config import STEP_RULE_KAPPA
 
 
 def mean_remote_delay(scenario) -> np.ndarray:

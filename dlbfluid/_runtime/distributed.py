@@ -7,7 +7,7 @@ or one per accelerator), each with `--coordinator HOST:PORT --num-processes P
 before any work and initialises `jax.distributed`; process 0 hosts the coordinator.
 
 **Design.** Every process computes its own share of the scenarios on its own devices
-only (`jax.local_devices()`: `dlbfluid._devices` shards a batch over those), and the
+only (`jax.local_devices()`: `dlbfluid._runtime.devices` shards a batch over those), and the
 processes exchange host-side results only, JSON-encoded, through the coordinator's
 key-value store (`Processes.gather`, `broadcast`, `allgather`). No array spans
 processes, so no cross-process collective ever runs: nothing depends on CPU collectives

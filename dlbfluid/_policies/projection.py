@@ -7,7 +7,7 @@ import functools
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from ._shapes import lead
+from .._shapes import lead
 
 METHODS = ("auto", "network", "pairwise", "sort")
 NETWORK_MAX = 16  # `"auto"`: the network up to this many entries,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ._shapes import lead
+from .._shapes import lead
 
 
 def rate_at(times: Float[Array, " P"], rates: Float[Array, " P"], t):

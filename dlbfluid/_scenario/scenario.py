@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ._errors import OverloadError, ScenarioError
-from ._registry import SERVICE_MODELS
-from ._service import ServiceModel, law, service_from_cells
-from ._shapes import lead
+from .._errors import OverloadError, ScenarioError
+from .._registry import SERVICE_MODELS
+from .._service import ServiceModel, law, service_from_cells
+from .._shapes import lead
 
 
 class ServerCells(eqx.Module):

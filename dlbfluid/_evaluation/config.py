@@ -1,7 +1,7 @@
 """What an experiment is (seed App. B; theory/evaluation.md): its kinds and their variants,
 the step-size rules and the `ExperimentConfig` an experiment directory records. jax-free,
 so that the command line's `--help` lists the kinds without starting a backend; the runner
-is `dlbfluid._experiment`.
+is `dlbfluid._evaluation.experiment`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ._defaults import DURATION_SCALES, PROBE_TICK, STEP_RULES
-from ._registry import BUILTIN_POLICIES
-from ._registry import POLICIES as _REGISTRY
+from .._defaults import DURATION_SCALES, PROBE_TICK, STEP_RULES
+from .._registry import BUILTIN_POLICIES
+from .._registry import POLICIES as _REGISTRY
 
 POLICIES = ("rand", "mnlb") + tuple(p for p in BUILTIN_POLICIES if p not in ("rand", "mnlb"))
 """The default policies, baselines first (any registered policy may be named)."""

@@ -27,9 +27,9 @@ import numpy as np
 import scipy.special
 import scipy.stats
 
-from ._defaults import DURATION_SCALES as DURATION_SCALES
-from ._precision import require_x64
-from ._service import Softplus
+from .._defaults import DURATION_SCALES as DURATION_SCALES
+from .._precision import require_x64
+from .._service import Softplus
 
 # ----------------------------------------------------------------------------------------
 # Constants (theory/generator.md lists each with its reason)

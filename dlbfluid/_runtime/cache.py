@@ -10,7 +10,7 @@ who turns the same cache on with one call, `dlbfluid.enable_compilation_cache()`
 Where: `$DLBFLUID_CACHE_DIR` if set (`off`, `0` or an empty value: no cache), else
 JAX's own `$JAX_COMPILATION_CACHE_DIR` if set, else `$XDG_CACHE_HOME/dlbfluid/jax`
 (`~/.cache/dlbfluid/jax` by default). A directory that cannot be created leaves the cache
-off, with one line on stderr. The traced solvers are kept beside it (`_exported`).
+off, with one line on stderr. The traced solvers are kept beside it (`exported`).
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from . import _exported as exported
-from ._results import RESULTS, view
+from .._results import RESULTS, view
+from .._runtime import exported
 
 MNLB_STATUS = view("success", "not_converged", "nonfinite")
 """The `RESULTS` codes of `mnlb_weights`."""

@@ -18,8 +18,8 @@ import math
 
 import numpy as np
 
-from ._experiment import SUMMARY_FIELDS
-from ._experiment_config import KINDS, POLICIES
+from .config import KINDS, POLICIES
+from .experiment import SUMMARY_FIELDS
 
 DLB = ("disc-rif", "disc-lat", "disc-grad", "flow-rif", "flow-lat", "flow-grad")
 RIF = ("disc-rif", "flow-rif")

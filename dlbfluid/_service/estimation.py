@@ -24,8 +24,8 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
-from ._results import RESULTS, status_names, view
-from ._service import ServiceModel, code, latency_asymptotic
+from .._results import RESULTS, status_names, view
+from . import ServiceModel, code, latency_asymptotic
 
 FIT_STATUS = view("success", "not_converged", "nonfinite", aliases={"converged": "success"})
 """The `RESULTS` codes a fit can end with (`converged` is another name of `success`)."""

@@ -1,6 +1,6 @@
 """Placing a batch on every device of this process, and compiling for it.
 
-In a run across processes (`dlbfluid._distributed`) each process computes its own share
+In a run across processes (`dlbfluid._runtime.distributed`) each process computes its own share
 of the scenarios, so a batch is placed on this process's devices only
 (`jax.local_devices()`, all devices in a one-process run): no array spans processes.
 """

@@ -1,0 +1,4 @@
+"""The paper's evaluation (seed §5.4, App. B) in the fluid model: what an experiment is
+(`config`), the random scenarios it draws (`generator`), the routers' step-size rule
+(`step_rule`), the experiment verb (`experiment`) and the paper's findings as checks of a
+recorded summary (`paper_findings`)."""
