@@ -34,7 +34,7 @@ import numpy as np
 
 import dlbfluid
 from dlbfluid._equilibrium import solve_equilibrium
-from dlbfluid._scenario.scenario import scenario_from_dict, stack_scenarios
+from dlbfluid._scenario import scenario_from_dict, stack_scenarios
 from dlbfluid._stability import batch_critical_step_size, critical_step_size
 from dlbfluid._verify import draw_scenario, flow_policies, verify
 

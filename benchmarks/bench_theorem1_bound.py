@@ -25,7 +25,7 @@ import numpy as np
 import dlbfluid as dl
 from dlbfluid._equilibrium import solve_equilibrium
 from dlbfluid._policies import policy_from_name
-from dlbfluid._scenario.scenario import scenario_from_dict, stack_scenarios
+from dlbfluid._scenario import scenario_from_dict, stack_scenarios
 from dlbfluid._simulate import simulate
 from dlbfluid._stability import batch_critical_step_size
 from dlbfluid._theorem1 import (

@@ -72,17 +72,17 @@ if TYPE_CHECKING:
     from ._results import RESULTS as RESULTS
     from ._runtime.cache import enable_compilation_cache as enable_compilation_cache
     from ._runtime.devices import use_cpu_cores as use_cpu_cores
-    from ._scenario.scenario import Scenario as Scenario
-    from ._scenario.scenario import ServerCells as ServerCells
-    from ._scenario.scenario import Workload as Workload
-    from ._scenario.scenario import check_capacity as check_capacity
-    from ._scenario.scenario import default_scenario as default_scenario
-    from ._scenario.scenario import load_scenario as load_scenario
-    from ._scenario.scenario import pad_scenario as pad_scenario
-    from ._scenario.scenario import scenario_from_dict as scenario_from_dict
-    from ._scenario.scenario import scenario_to_dict as scenario_to_dict
-    from ._scenario.scenario import stack_scenarios as stack_scenarios
-    from ._scenario.scenario import weighted_random_routing as weighted_random_routing
+    from ._scenario import Scenario as Scenario
+    from ._scenario import ServerCells as ServerCells
+    from ._scenario import Workload as Workload
+    from ._scenario import check_capacity as check_capacity
+    from ._scenario import default_scenario as default_scenario
+    from ._scenario import load_scenario as load_scenario
+    from ._scenario import pad_scenario as pad_scenario
+    from ._scenario import scenario_from_dict as scenario_from_dict
+    from ._scenario import scenario_to_dict as scenario_to_dict
+    from ._scenario import stack_scenarios as stack_scenarios
+    from ._scenario import weighted_random_routing as weighted_random_routing
     from ._service import MM1 as MM1
     from ._service import AbstractServiceModel as AbstractServiceModel
     from ._service import ServiceModel as ServiceModel

@@ -17,7 +17,7 @@ from helpers import LAWS, THREE, random_scenario, symmetric_pair
 import dlbfluid as dl
 from dlbfluid._cli import main
 from dlbfluid._equilibrium import solve_equilibrium
-from dlbfluid._scenario.scenario import scenario_from_dict, stack_scenarios
+from dlbfluid._scenario import scenario_from_dict, stack_scenarios
 from dlbfluid._stability import batch_critical_step_size, critical_step_size
 from dlbfluid._theorem1 import (
     ESTIMATES,

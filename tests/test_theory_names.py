@@ -335,7 +335,7 @@ def test_the_resolver_reports_fake_citations():
         "test_a_test_that_was_never_written",
         "tests/test_simulate.py::test_a_test_that_was_never_written",
         "tests/test_no_such_file.py",
-        "dlbfluid/_scenario/scenario.py::no_such_function",
+        "dlbfluid/_scenario/model.py::no_such_function",
         "helpers.no_such_helper",
         "dlbfluid/_no_such_module.py",
         "dlbfluid._simulate.loop.no_such_function",
@@ -375,7 +375,7 @@ def test_the_resolver_reports_fake_citations():
         "two_mm1(2, 1, 1.5, 0.5)",
         "not_converged",
         "RESULTS.success",
-        "dlbfluid/_scenario/scenario.py::replica_scale",
+        "dlbfluid/_scenario/model.py::replica_scale",
         "helpers.symmetric_pair",
         "results.csv",
     ]

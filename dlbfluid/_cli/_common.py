@@ -21,7 +21,7 @@ def load_scenario_arg(path: str, *, allow_overload: bool = False, command: str |
     that fits `command`: `simulate` accepts `--allow-overload`; the equilibrium and
     stability commands need demand strictly within capacity and point to `simulate`.
     """
-    from .._scenario.scenario import _check_capacity, default_scenario, load_scenario
+    from .._scenario import _check_capacity, default_scenario, load_scenario
 
     if path == "default":
         scn = default_scenario()

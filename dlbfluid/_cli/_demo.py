@@ -109,7 +109,7 @@ def _check_args(args) -> tuple[tuple[str, ...], int, Path]:
 def run(args) -> int:
     from .._equilibrium import solve_equilibrium
     from .._plot import plot_trajectories
-    from .._scenario.scenario import default_scenario
+    from .._scenario import default_scenario
     from .._simulate import simulate
 
     names, K, out = _check_args(args)

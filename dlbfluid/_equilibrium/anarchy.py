@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .api import solve_equilibrium
 from .rif_range import rif_latency_range
 

@@ -34,7 +34,7 @@ from .._precision import require_x64
 from .._results import RESULTS, raise_for_status, status_names, view
 from .._runtime import exported
 from .._runtime.devices import compiler_options, shard_batch, uses_float32
-from .._scenario.scenario import Scenario, check_capacity, pad_scenario
+from .._scenario import Scenario, check_capacity, pad_scenario
 from .solver import EquilibriumSolver, _solve_batch, _solve_batch_impl
 
 EQ_STATUS = view("success", "not_converged", "nonfinite")

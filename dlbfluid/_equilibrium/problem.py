@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .._costs import AbstractCost, cost_from_name
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 
 
 def potential(cost, scn: Scenario, z, N):

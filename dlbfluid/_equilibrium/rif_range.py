@@ -29,7 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._costs import cost_from_name
 from .._policies.mnlb_weights import mnlb_weights
 from .._results import RESULTS
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .api import EquilibriumSolution, _batch_bucket, solve_equilibrium
 
 TIGHT_RTOL = 1e-7

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._costs import AbstractCost, cost_from_name
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from . import solve_equilibrium
 
 

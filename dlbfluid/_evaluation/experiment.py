@@ -41,7 +41,7 @@ from .._runtime import CsvRows, Sweep
 from .._runtime.distributed import Processes
 from .._runtime.manifest import MANIFEST, open_manifest, resume_note
 from .._runtime.progress import Progress
-from .._scenario.scenario import scenario_from_dict, stack_scenarios
+from .._scenario import scenario_from_dict, stack_scenarios
 from .._service.estimation import fit_latency_model, perturb_service, sample_latency
 from .._simulate import simulate
 from .._stability import batch_critical_step_size

@@ -38,7 +38,7 @@ from .._integrators import Fast
 from .._precision import require_x64
 from .._results import RESULTS
 from .._runtime.devices import shard_batch
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .._simulate import (
     _chosen_chunk,
     _hist_len,

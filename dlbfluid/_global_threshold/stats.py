@@ -15,7 +15,7 @@ import numpy as np
 from .._policies.projection import project_simplex
 from .._results import RESULTS
 from .._runtime.devices import per_device
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .._simulate import (
     _chunked,
     _init_state,

@@ -26,7 +26,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._costs import route_costs
 from .._registry import BUILTIN_POLICIES, POLICIES
-from .._scenario.scenario import replica_scale
+from .._scenario import replica_scale
 
 POLICY_NAMES = BUILTIN_POLICIES
 """The eight built-in policies (`dlbfluid._registry.POLICIES` also lists registered ones)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .._scenario.scenario import proportional_routing
+from .._scenario import proportional_routing
 from .base import AbstractPolicy, replica_fractions
 
 

@@ -35,8 +35,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._policies import AbstractPolicy, Observation, TickSetup
 from .._policies.base import replica_fractions
+from .._scenario import Scenario
 from .._scenario.arrivals import rate_at
-from .._scenario.scenario import Scenario
 from .cells import AbstractCells
 from .histogram import LatencyHistogram
 

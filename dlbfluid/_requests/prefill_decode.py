@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int
 
-from .._scenario.scenario import Workload
+from .._scenario import Workload
 from .cells import AbstractCells
 from .servers import running
 

@@ -13,7 +13,7 @@ import numpy as np
 from .._policies import AbstractPolicy, policy_from_name
 from .._precision import require_x64
 from .._results import RESULTS, view
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .._service.base import code as law_code
 from .._simulate import _hist_len, _setup
 from .histogram import LatencyHistogram

@@ -25,7 +25,7 @@ from .._integrators import AbstractIntegrator, Fast
 from .._policies import AbstractPolicy, ErrorAverse, TickSetup, policy_from_name
 from .._policies.aversion import ErrorAversion
 from .._precision import float_dtype
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .loop import SavePoint, SimState, _hist_len, _init_state, _record, _setup, _tick
 from .window import _window_width
 

@@ -23,7 +23,7 @@ from .._results import RESULTS
 from .._runtime import exported
 from .._runtime.devices import compiler_options, shard_batch, uses_float32
 from .._runtime.progress import Progress
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .loop import _hist_len
 from .options import DEFAULTS, LAYOUTS, SimulateOptions, _chosen_chunk, default_layout
 from .single import cast, check_options, looped_policy

@@ -11,7 +11,7 @@ import numpy as np
 
 from .._defaults import STABILITY_NODES as DEFAULT_NODES
 from .._equilibrium import solve_equilibrium
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .base import NO_ROOT, AbstractStabilityMethod
 from .linearisation import _flow_policy, linearise
 from .methods import Auto, stability_method

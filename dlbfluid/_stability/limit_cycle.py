@@ -12,7 +12,7 @@ import equinox as eqx
 import numpy as np
 
 from .._integrators import Fast
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .._simulate import simulate
 
 

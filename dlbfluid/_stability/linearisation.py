@@ -37,7 +37,7 @@ from .._equilibrium import solve_equilibrium
 from .._policies import AbstractPolicy, FlowRouting, policy_from_name
 from .._precision import require_x64
 from .._registry import flow_policy_names
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 
 
 def _flow_names() -> list[str]:

@@ -19,7 +19,7 @@ import scipy.linalg
 import scipy.optimize
 
 from .._defaults import STABILITY_NODES as DEFAULT_NODES
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .base import NO_ROOT, AbstractStabilityMethod
 from .linearisation import Linearisation, _delta, linearise
 from .search import Steps, begin, bracket

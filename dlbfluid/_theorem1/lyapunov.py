@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from .._costs import cost_from_name
-from .._scenario.scenario import Scenario
+from .._scenario import Scenario
 from .._shapes import lead, like
 
 # 32-point Gauss-Legendre rule on [0, 1] for Phi (f is smooth; exact for RIF).

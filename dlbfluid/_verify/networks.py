@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from .._evaluation.generator import generate, scenario_dicts
-from .._scenario.scenario import check_capacity, scenario_from_dict
+from .._scenario import check_capacity, scenario_from_dict
 
 
 def random_network(

@@ -13,7 +13,7 @@ import numpy as np
 from .._equilibrium import solve_equilibrium
 from .._evaluation.step_rule import paper_step_sizes
 from .._global_threshold import WorstCaseSearch, global_threshold
-from .._scenario.scenario import scenario_from_dict, stack_scenarios
+from .._scenario import scenario_from_dict, stack_scenarios
 from .._simulate import simulate
 from .._stability import batch_critical_step_size, scale_delays
 from .._theorem1 import (

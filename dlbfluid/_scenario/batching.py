@@ -1,0 +1,148 @@
+"""Padding and batching: one scenario padded to a larger cell count (`pad_scenario`), and
+scenarios of different sizes and service laws stacked along a leading batch axis
+(`stack_scenarios`). Padded cells have zero arrivals, no arcs and inert service laws;
+padding happens in Python, before anything is traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._registry import SERVICE_MODELS
+from .._service import ServiceModel, law
+from .model import Scenario, ServerCells, Workload, _server_cells
+
+
+def _param_default(sv: ServiceModel, key: str) -> float:
+    for name in sv.laws:
+        if key in law(name).defaults:
+            return law(name).defaults[key]
+    return 1.0
+
+
+def pad_scenario(
+    scn: Scenario,
+    n: int,
+    n_breakpoints: int | None = None,
+    n_schedule: int | None = None,
+    *,
+    laws: tuple[str, ...] | None = None,
+    est_laws: tuple[str, ...] | None = None,
+    with_servers: bool = False,
+) -> Scenario:
+    """Pad one scenario to `n` cells (`n_breakpoints` arrival breakpoints, `n_schedule`
+    replica-schedule entries); `laws`, `est_laws` widen the service tables of `service`
+    and `estimate` to those laws (for stacking scenarios of different laws);
+    `with_servers` gives a scenario without `servers`/`workload` inert ones (no cell has
+    servers; a unit workload), so that it stacks with scenarios that have them."""
+    m = scn.n_cells
+    if n < m:
+        raise ValueError(f"cannot pad a {m}-cell scenario to n = {n} cells")
+    P = scn.arrival_times.shape[-1]
+    Pn = P if n_breakpoints is None else n_breakpoints
+    if Pn < P:
+        raise ValueError(f"cannot pad {P} arrival breakpoints to {Pn}")
+    extra = n - m
+
+    def cells(a, fill):
+        a = np.asarray(a)
+        return np.concatenate([a, np.full((extra,) + a.shape[1:], fill, dtype=a.dtype)])
+
+    def square(a, fill):
+        a = np.asarray(a)
+        out = np.full((n, n), fill, dtype=a.dtype)
+        out[:m, :m] = a
+        return out
+
+    times = np.asarray(scn.arrival_times)
+    rates = np.asarray(scn.arrival_rates)
+    times = np.concatenate([times, np.repeat(times[:, -1:], Pn - P, axis=1)], axis=1)
+    rates = np.concatenate([rates, np.repeat(rates[:, -1:], Pn - P, axis=1)], axis=1)
+    rep_t = np.asarray(scn.replica_times)
+    rep_k = np.asarray(scn.replica_counts)
+    Q = rep_t.shape[-1]
+    Qn = Q if n_schedule is None else n_schedule
+    if Qn < Q:
+        raise ValueError(f"cannot pad {Q} replica-schedule entries to {Qn}")
+    rep_t = np.concatenate([rep_t, np.repeat(rep_t[:, -1:], Qn - Q, axis=1)], axis=1)
+    rep_k = np.concatenate([rep_k, np.repeat(rep_k[:, -1:], Qn - Q, axis=1)], axis=1)
+
+    def service(sv: ServiceModel, laws) -> ServiceModel:
+        # Padded cells follow the table's first law at its default parameters: they never
+        # see traffic, and a table of one law evaluates one law.
+        sv = sv.with_laws(laws)
+        first = law(sv.laws[0])
+        params = {
+            k: jnp.asarray(cells(v, first.defaults.get(k, _param_default(sv, k))))
+            for k, v in sv.params.items()
+        }
+        return ServiceModel(
+            jnp.asarray(cells(sv.model, SERVICE_MODELS.index(sv.laws[0]))), params, laws=sv.laws
+        )
+
+    sv = scn.servers
+    if sv is None and with_servers:
+        sv = _server_cells([None] * m)
+    if sv is not None:
+        sv = ServerCells(
+            mask=jnp.asarray(cells(sv.mask, False)),
+            count=jnp.asarray(cells(sv.count, 0)),
+            prefill_token_time=jnp.asarray(cells(sv.prefill_token_time, 1.0)),
+            decode_token_time=jnp.asarray(cells(sv.decode_token_time, 1.0)),
+            decode_engines=jnp.asarray(cells(sv.decode_engines, 1)),
+            slots=jnp.asarray(cells(sv.slots, 1)),
+        )
+    wl = scn.workload
+    if wl is None and (with_servers or sv is not None):
+        wl = Workload(*(jnp.asarray(v, dtype=jnp.result_type(float)) for v in (1, 1, 0, 1, 1, 0)))
+    return Scenario(
+        arrival_times=jnp.asarray(cells(times, 0.0)),
+        arrival_rates=jnp.asarray(cells(rates, 0.0)),
+        replicas=jnp.asarray(cells(scn.replicas, 1.0)),
+        service=service(scn.service, laws if laws is not None else scn.service.laws),
+        estimate=service(scn.estimate, est_laws if est_laws is not None else scn.estimate.laws),
+        buffer=jnp.asarray(cells(scn.buffer, np.inf)),
+        replica_times=jnp.asarray(cells(rep_t, 0.0)),
+        replica_counts=jnp.asarray(cells(rep_k, 1.0)),
+        latency=jnp.asarray(square(scn.latency, 0.0)),
+        allowed=jnp.asarray(square(scn.allowed, False)),
+        cell_mask=jnp.asarray(cells(scn.cell_mask, False)),
+        initial_workload=jnp.asarray(cells(scn.initial_workload, 0.0)),
+        initial_routing=jnp.asarray(square(scn.initial_routing, 0.0)),
+        name=scn.name,
+        cell_names=scn.cell_names,
+        servers=sv,
+        workload=wl,
+    )
+
+
+def stack_scenarios(
+    scenarios: Sequence[Scenario], n_cells: int | None = None, *, laws: Sequence[str] = ()
+) -> Scenario:
+    """Pad scenarios to a common cell count and stack them along a new leading axis.
+
+    The service models present in a batch are static: only their formulas are compiled
+    and evaluated, so two batches of the same shape but different sets of models compile
+    separately. `laws` adds models to the set (e.g. `("mm1", "softplus")` for batches that
+    should share one compiled program whichever of the two they contain)."""
+    scenarios = list(scenarios)
+    if not scenarios:
+        raise ValueError("stack_scenarios needs at least one scenario")
+    n = max(s.n_cells for s in scenarios) if n_cells is None else n_cells
+    P = max(s.arrival_times.shape[-1] for s in scenarios)
+    Q = max(s.replica_times.shape[-1] for s in scenarios)
+    svc = tuple(dict.fromkeys([*laws, *(m for s in scenarios for m in s.service.laws)]))
+    est = tuple(dict.fromkeys([*laws, *(m for s in scenarios for m in s.estimate.laws)]))
+    with_servers = any(s.servers is not None or s.workload is not None for s in scenarios)
+    padded = [
+        pad_scenario(s, n, P, Q, laws=svc, est_laws=est, with_servers=with_servers).strip()
+        for s in scenarios
+    ]
+    leaves = [eqx.filter(p, eqx.is_array) for p in padded]
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *leaves)
+    return eqx.combine(stacked, padded[0])

@@ -1,0 +1,97 @@
+"""Scenario files: read one (`load_scenario`), the built-in demo scenario
+(`default_scenario`), and write one back (`scenario_to_dict`, the inverse of
+`scenario_from_dict`).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._errors import ScenarioError
+from .model import Scenario
+from .parse import TOKEN_KEYS, scenario_from_dict
+
+
+def load_scenario(path: str | Path, *, allow_overload: bool = False) -> Scenario:
+    """Read a scenario JSON file (see `scenario_from_dict`)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ScenarioError(f"scenario file {str(path)!r} cannot be read: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ScenarioError(f"scenario file {str(path)!r} is not valid JSON: {e}") from None
+    return scenario_from_dict(data, allow_overload=allow_overload)
+
+
+def default_scenario() -> Scenario:
+    """The built-in heterogeneous 4-cell scenario used by `dlbfluid demo`."""
+    text = resources.files("dlbfluid").joinpath("data/default.json").read_text()
+    return scenario_from_dict(json.loads(text))
+
+
+def scenario_to_dict(scn: Scenario) -> dict:
+    """Inverse of `scenario_from_dict` for one unpadded scenario (profiles as breakpoints)."""
+    mask = np.asarray(scn.cell_mask)
+    n = int(mask.sum())
+    names = list(scn.cell_names) or [f"cell{j}" for j in range(n)]
+    s = scn.service
+    cells = []
+    for j in range(n):
+        ts = np.asarray(scn.arrival_times[j])
+        rs = np.asarray(scn.arrival_rates[j])
+        if np.all(ts == ts[0]) and np.all(rs == rs[0]):
+            rate: Any = float(rs[0])
+        else:
+            rate = {"times": ts.tolist(), "rates": rs.tolist()}
+        cell = {
+            "name": names[j],
+            "arrival_rate": rate,
+            "replicas": int(scn.replicas[j]),
+            "service": s.cell_dict(j),
+        }
+        est = scn.estimate.cell_dict(j)
+        if est != cell["service"]:
+            cell["estimated_service"] = est
+        if np.isfinite(float(scn.buffer[j])):
+            cell["buffer"] = float(scn.buffer[j])
+        rt = np.asarray(scn.replica_times[j])
+        rk = np.asarray(scn.replica_counts[j])
+        if np.any(rk != float(scn.replicas[j])):
+            cell["replica_schedule"] = {"times": rt.tolist(), "replicas": rk.tolist()}
+        sv = scn.servers
+        if sv is not None and bool(sv.mask[j]):
+            cell["servers"] = {
+                "count": int(sv.count[j]),
+                "prefill_token_time": float(sv.prefill_token_time[j]),
+                "decode_token_time": float(sv.decode_token_time[j]),
+                "decode_engines": int(sv.decode_engines[j]),
+                "slots": int(sv.slots[j]),
+            }
+        cells.append(cell)
+    tau = np.asarray(scn.latency)
+    allowed = np.asarray(scn.allowed)
+    latency = [[float(tau[i, j]) if allowed[i, j] else None for j in range(n)] for i in range(n)]
+    out = {
+        "name": scn.name,
+        "cells": cells,
+        "latency": latency,
+        "initial": {
+            "workload": np.asarray(scn.initial_workload)[:n].tolist(),
+            "routing": np.asarray(scn.initial_routing)[:n, :n].tolist(),
+        },
+    }
+    w = scn.workload
+    if w is not None:
+        out["workload"] = {
+            f"{part}_tokens": {key: float(getattr(w, f"{part}_{key}")) for key in TOKEN_KEYS}
+            for part in ("prompt", "output")
+        }
+    return out

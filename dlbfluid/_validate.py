@@ -1,0 +1,103 @@
+"""Field validators: the one set of checks for a value a user gives (a scenario file's
+field, a keyword argument, a configuration field).
+
+Every check raises one message, `FIELD = VALUE is invalid: WHAT IS ALLOWED` (the field, the
+value and what is allowed), as the error class the caller names: `ValueError` by default,
+`ScenarioError` for the scenario parser and the service laws. Plain Python and numpy, no
+JAX, so that the jax-free modules (the experiment's configuration) use it as well; every
+layer of the package may import it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+def invalid(field: str, value: Any, allowed: str, *, error: type[Exception] = ValueError):
+    """The error `FIELD = VALUE is invalid: ALLOWED`, returned for the caller to raise
+    (`raise invalid(...)`), so that type checkers see the raise."""
+    return error(f"{field} = {value!r} is invalid: {allowed}")
+
+
+def is_number(value: Any) -> bool:
+    """A real number: a Python or numpy int or float, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _bounds(lo, hi, lo_open: bool, hi_open: bool) -> str:
+    parts = []
+    if lo is not None:
+        parts.append(f"{'>' if lo_open else '>='} {lo}")
+    if hi is not None:
+        parts.append(f"{'<' if hi_open else '<='} {hi}")
+    return (" " + " and ".join(parts)) if parts else ""
+
+
+def number(
+    field: str,
+    value: Any,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    allowed: str | None = None,
+    error: type[Exception] = ValueError,
+) -> float:
+    """`value` as a float: a finite real number with $lo \\le v$ ($lo < v$ with `lo_open`)
+    and $v \\le hi$ ($v < hi$ with `hi_open`); a bound of None is no bound.
+
+    **Raises:** `error` with `"expected a number"` for anything else than a number (a bool
+    is not one), and `"expected a finite number"` followed by the bounds (`">= 0.0"`,
+    `"> 0 and < 1.0"`) for a non-finite value or one out of bounds. `allowed` replaces both
+    texts where a field keeps wording of its own.
+    """
+    if not is_number(value):
+        raise invalid(field, value, allowed or "expected a number", error=error)
+    v = float(value)
+    ok = math.isfinite(v)
+    if ok and lo is not None:
+        ok = v > lo if lo_open else v >= lo
+    if ok and hi is not None:
+        ok = v < hi if hi_open else v <= hi
+    if not ok:
+        text = allowed or "expected a finite number" + _bounds(lo, hi, lo_open, hi_open)
+        raise invalid(field, value, text, error=error)
+    return v
+
+
+def integer(
+    field: str,
+    value: Any,
+    lo: int,
+    hi: int | None = None,
+    *,
+    whole_floats: bool = False,
+    allowed: str | None = None,
+    error: type[Exception] = ValueError,
+) -> int:
+    """`value` as an int with $lo \\le v$ (and $v \\le hi$ when `hi` is given).
+
+    An int or a numpy integer (not a bool); with `whole_floats`, also a float of integral
+    value (JSON files write counts as `4.0` too).
+
+    **Raises:** `error` with `"expected an integer >= LO"` or `"expected an integer in
+    [LO, HI]"` (or `allowed`).
+    """
+    if whole_floats:
+        ok = is_number(value) and math.isfinite(value) and value == int(value)
+    else:
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if ok:
+        ok = lo <= value and (hi is None or value <= hi)
+    if not ok:
+        text = (
+            f"expected an integer >= {lo}" if hi is None else f"expected an integer in [{lo}, {hi}]"
+        )
+        raise invalid(field, value, allowed or text, error=error)
+    return int(value)
