@@ -15,6 +15,8 @@ import pytest
 import dlbfluid
 import dlbfluid._verify.records
 from dlbfluid._cli import main
+from dlbfluid._cli._flags import EXPERIMENT
+from dlbfluid._cli._flags import VERIFY as VERIFY_FLAGS
 from dlbfluid._evaluation import experiment as ex
 from dlbfluid._runtime.manifest import MANIFEST
 
@@ -110,6 +112,7 @@ def _half_finished(out):
         ("--horizon", "1", "horizon (--horizon): 2.0 -> 1.0"),
         ("--scenarios", "2", "n_scenarios (--scenarios): 4 -> 2"),
         ("--max-cells", "4", "n_cells (--min-cells, --max-cells): [2, 3] -> [2, 4]"),
+        ("--tick", "0.05", "tick (--tick): 0.1 -> 0.05"),
     ],
 )
 def test_verify_refuses_other_settings(chunks, capsys, tmp_path, state, flag, value, shown):
@@ -224,6 +227,30 @@ def test_verify_records_a_custom_source(chunks, tmp_path):
         verify(2, out_dir=tmp_path, chunk=2, horizon=2.0, tick=0.1)
 
 
+def test_verify_refusals_name_the_fields_or_the_given_labels(chunks, tmp_path):
+    """The Python API names its own arguments and fields (`out_dir`, `tick`); the
+    command line's options (`--out`, `--tick`) only where `labels=` gives them."""
+    from dlbfluid._verify import verify
+
+    out = tmp_path / "run"
+    kw = dict(out_dir=out, chunk=2, n_cells=(2, 3), horizon=2.0, tick=0.1)
+    verify(4, **kw)
+    before = _files(out)
+    with pytest.raises(ValueError) as e:
+        verify(4, **{**kw, "tick": 0.05})
+    msg = str(e.value)
+    assert msg.startswith(f"out_dir = {str(out)!r} is invalid: it holds a different verify run")
+    assert "(changed: tick: 0.1 -> 0.05)" in msg and "choose a new out_dir" in msg
+    assert "--tick" not in msg and "--out" not in msg
+    with pytest.raises(ValueError) as e:
+        verify(4, **{**kw, "tick": 0.05}, labels=VERIFY_FLAGS)
+    msg = str(e.value)
+    assert msg.startswith(f"--out = {str(out)!r} is invalid: it holds a different verify run")
+    assert "(changed: tick (--tick): 0.1 -> 0.05)" in msg and "choose a new --out" in msg
+    assert "out_dir" not in msg
+    assert _files(out) == before
+
+
 # ----------------------------------------------------------------------------------------
 # experiment
 # ----------------------------------------------------------------------------------------
@@ -295,12 +322,22 @@ def test_experiment_refuses_another_config_or_version(tmp_path, monkeypatch):
     assert ex._open_results(small(), out) == {}
     (out / "results.csv").write_text(_csv_text([_row("rand", 0), _row("rand", 1)]))
     before = _files(out)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError) as e:  # the Python API: the fields' own names
         ex._open_results(small(trials=2, seed=3), out)
     msg = str(e.value)
+    assert msg.startswith(f"out_dir = {str(out)!r} is invalid: it holds a different experiment")
+    assert "seed: 0 -> 3" in msg and "trials: 1 -> 2" in msg and "a new out_dir" in msg
+    assert "(--" not in msg and "--out" not in msg
+    with pytest.raises(ValueError) as e:  # the command line's labels: its options
+        ex._open_results(small(trials=2, seed=3), out, EXPERIMENT)
+    msg = str(e.value)
+    assert msg.startswith(f"--out = {str(out)!r} is invalid: it holds a different experiment")
     assert "seed (--seed): 0 -> 3" in msg and "trials (--trials): 1 -> 2" in msg
+    assert "choose a new --out" in msg and "out_dir" not in msg
     with pytest.raises(ValueError, match=r"policies \(--policies\): \['rand', 'mnlb', "):
-        ex._open_results(small(policies=("rand", "mnlb")), out)
+        ex._open_results(small(policies=("rand", "mnlb")), out, EXPERIMENT)
+    with pytest.raises(ValueError, match=r"step_rule \(--step-rule\): 'paper' -> 'oracle'"):
+        ex._open_results(small(step_rule="oracle"), out, EXPERIMENT)
     monkeypatch.setattr(dlbfluid, "__version__", "9.9.9")
     with pytest.raises(ValueError, match=r"dlbfluid version: '.*' -> '9.9.9'"):
         ex._open_results(small(), out)
@@ -319,8 +356,10 @@ def test_experiment_adopts_a_directory_without_a_manifest(tmp_path, capsys):
     other.mkdir()
     (other / "config.json").write_text((out / "config.json").read_text())
     before = _files(other)
-    with pytest.raises(ValueError, match=r"trials \(--trials\): 1 -> 2"):
+    with pytest.raises(ValueError, match=r"^out_dir = .*\(changed: trials: 1 -> 2\)"):
         ex._open_results(small(trials=2), other)
+    with pytest.raises(ValueError, match=r"^--out = .*\(changed: trials \(--trials\): 1 -> 2\)"):
+        ex._open_results(small(trials=2), other, EXPERIMENT)
     assert _files(other) == before
     assert list(ex._open_results(small(), out)) == [("burst", "rand")]
     assert "resuming 1 of 3 units done in" in capsys.readouterr().err

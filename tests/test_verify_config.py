@@ -53,3 +53,25 @@ def test_the_manifest_records_only_changed_later_settings():
     m = dl.VerifyConfig(step_base="eta0", worst_case=True, starts=4).manifest(8, 0)
     assert m["step_base"] == "eta0" and m["worst_case"] is True and m["starts"] == 4
     assert "ladder" not in m and "tau_scales" not in m
+
+
+def test_a_refused_field_is_named_by_its_option_only_through_the_cli():
+    """`VerifyConfig` names the field (`tick = 0.0`); `dlbfluid verify` relabels the
+    same refusal with its option (`--tick = 0.0`), from its table in `dlbfluid._cli._flags`
+    (the library holds no option names)."""
+    from dlbfluid._cli import build_parser
+    from dlbfluid._cli._verify import _config as cli_config
+
+    with pytest.raises(ValueError) as e:
+        dl.VerifyConfig(tick=0.0)
+    assert str(e.value).startswith("tick = 0.0 is invalid: expected a finite number > 0")
+    args = build_parser().parse_args(["verify"])
+    # control: the defaults pass (the option's default tick is the paper's probe cadence)
+    assert cli_config(args) == dataclasses.replace(dl.VerifyConfig(), tick=args.tick)
+    args.tick = 0.0  # (a value the option's own check would refuse first)
+    with pytest.raises(ValueError) as e:
+        cli_config(args)
+    assert str(e.value).startswith("--tick = 0.0 is invalid: expected a finite number > 0")
+    args.tick, args.starts = 0.005, 0
+    with pytest.raises(ValueError, match=r"^--starts = 0 is invalid: expected an integer >= 1"):
+        cli_config(args)

@@ -17,10 +17,6 @@ from ._flags import EXPERIMENT, relabel
 
 
 def register(sub) -> None:
-    from .._defaults import PROBE_TICK, STEP_RULES
-    from .._evaluation.config import KINDS, POLICIES
-    from .._registry import POLICIES as REGISTERED
-
     p = sub.add_parser(
         "experiment",
         help="the paper's evaluation: six DLB policies against Rand and MNLB on generated "
@@ -31,6 +27,21 @@ def register(sub) -> None:
         "rates. Results go to DIR/results.csv as each (variant, policy) batch finishes; a "
         "rerun with the same DIR resumes. DIR also gets summary.csv, summary.json and a plot.",
     )
+    # (the groups in the order `--help` lists them)
+    _add_size_flags(p)
+    _add_run_flags(p)
+    _add_policy_flags(p)
+    _add_model_flags(p)
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="never show progress")
+    add_process_options(p)
+    p.set_defaults(func=run)
+
+
+def _add_size_flags(p) -> None:
+    """Which experiment, how many scenarios and trials, from which stream, and where."""
+    from .._evaluation.config import KINDS
+
     p.add_argument("kind", choices=KINDS, help="which experiment")
     p.add_argument(
         "--scenarios",
@@ -47,6 +58,12 @@ def register(sub) -> None:
     p.add_argument(
         "--out", metavar="DIR", default=None, help="output directory (default experiment-KIND)"
     )
+
+
+def _add_run_flags(p) -> None:
+    """Each run's horizon and tick, and the flow policies' step sizes."""
+    from .._defaults import PROBE_TICK, STEP_RULES
+
     p.add_argument(
         "--horizon",
         type=positive_float("horizon"),
@@ -74,6 +91,13 @@ def register(sub) -> None:
         default=0.3,
         help="with --step-rule oracle: the fraction of eta*, in (0, 1] (default 0.3)",
     )
+
+
+def _add_policy_flags(p) -> None:
+    """The policies compared, and the roots' error aversion."""
+    from .._evaluation.config import POLICIES
+    from .._registry import POLICIES as REGISTERED
+
     p.add_argument(
         "--policies",
         nargs="+",
@@ -93,6 +117,10 @@ def register(sub) -> None:
         help="give MNLB DLB's error aversion too (default: none; the paper's MNLB is a "
         "separate, centralised system)",
     )
+
+
+def _add_model_flags(p) -> None:
+    """The fluid model alone, or the request-level runs beside it."""
     p.add_argument(
         "--model",
         default="fluid",
@@ -110,10 +138,6 @@ def register(sub) -> None:
         "whose fluid limit is the fluid model) or servers (the App.-B prefill/decode servers "
         "the generator writes)",
     )
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    p.add_argument("--no-progress", action="store_true", help="never show progress")
-    add_process_options(p)
-    p.set_defaults(func=run)
 
 
 def _config(args):
@@ -160,9 +184,10 @@ def _config(args):
 
 
 def run(args) -> int:
-    """Options, then `--out`, are checked before anything is drawn or simulated. Progress
-    goes to stderr unless `--no-progress`: redrawn on a terminal, otherwise one line every
-    10 s (a log file)."""
+    """Options, then `--out`, are checked before anything is drawn or simulated; the
+    library's refusals (`ExperimentConfig`, the output directory's manifest) name the
+    options (`dlbfluid._cli._flags.EXPERIMENT`). Progress goes to stderr unless
+    `--no-progress`: redrawn on a terminal, otherwise one line every 10 s (a log file)."""
     from .._evaluation.experiment import run_experiment
 
     cfg = _config(args)
@@ -173,6 +198,7 @@ def run(args) -> int:
         out,
         progress=not args.no_progress,
         processes=getattr(args, "processes", None),
+        labels=EXPERIMENT,
     )
     if res is None:  # not process 0: it prints and writes the merged results
         return 0

@@ -3,9 +3,11 @@
 The library names its arguments and configuration fields in its errors (`scenarios = 0 is
 invalid: ...`), as a Python caller wrote them; the command line says the option the user
 typed instead (`--scenarios = 0 is invalid: ...`). Each verb's correspondence lives here,
-once: the commands relabel the library's messages with `relabel`, and the resumable
-commands give the same table to the output directory's manifest (`dlbfluid._runtime.manifest`,
-`labels=`) so that a changed setting is named by its option.
+once, and nowhere in the library: the commands relabel the library's messages with
+`relabel`, and the resumable commands give the same table to the library call (`verify`,
+`run_experiment`: `labels=`), which hands it to the output directory's manifest
+(`dlbfluid._runtime.manifest`) so that a changed setting is named by its option
+(`seed (--seed): 0 -> 1`) and the directory by `--out` (its `"out_dir"` entry).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ SIMULATE_REQUESTS = {
 """`simulate_requests`' arguments and the options of `dlbfluid simulate --model requests`."""
 
 EXPERIMENT = {
+    "out_dir": "--out",
     "experiment": "KIND",
     "scenarios": "--scenarios",
     "trials": "--trials",
@@ -41,6 +44,29 @@ EXPERIMENT = {
     "service": "--service",
 }
 """`ExperimentConfig`'s fields (and its manifest's) and the options of `dlbfluid experiment`."""
+
+VERIFY = {
+    "out_dir": "--out",
+    "n_scenarios": "--scenarios",
+    "seed": "--seed",
+    "n_cells": "--min-cells, --max-cells",
+    "horizon": "--horizon",
+    "tick": "--tick",
+    "step_fraction": "--step-fraction",
+    "conv_tol": "--conv-tol",
+    "generator": "--generator",
+    "scenario": "--scenario",
+    "step_rule": "--step-rule",
+    "ladder": "--ladder",
+    "tau_scales": "--tau-scales",
+    "policies": "--policy",
+    "step_base": "--step-base",
+    "worst_case": "--worst-case",
+    "starts": "--starts",
+    "chunk": "--chunk",
+}
+"""`verify`'s arguments, `VerifyConfig`'s fields (and its manifest's) and the options of
+`dlbfluid verify`."""
 
 
 def relabel(error: Exception, table: Mapping[str, str]) -> ValueError:

@@ -24,6 +24,7 @@ from ._common import (
     seed_int,
     table,
 )
+from ._flags import VERIFY, relabel
 
 
 def register(sub) -> None:
@@ -43,6 +44,20 @@ def register(sub) -> None:
         "results are appended to DIR/results.jsonl as they are computed and a rerun with the "
         "same DIR resumes where a killed run stopped.",
     )
+    # (the groups in the order `--help` lists them)
+    _add_source_flags(p)
+    _add_step_flags(p)
+    _add_theorem1_flags(p)
+    _add_run_flags(p)
+    p.add_argument("--out", metavar="DIR", help="write results.jsonl and summary.json; resume")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="never show progress")
+    add_process_options(p)
+    p.set_defaults(func=run)
+
+
+def _add_source_flags(p) -> None:
+    """Which scenarios and which flow policies."""
     p.add_argument(
         "--scenarios",
         type=positive_int("scenarios"),
@@ -66,6 +81,10 @@ def register(sub) -> None:
         default="all",
         help="one flow policy, or all (default all)",
     )
+
+
+def _add_step_flags(p) -> None:
+    """How each flow policy's step size is chosen (with `--step-fraction`)."""
     p.add_argument(
         "--step-rule",
         choices=STEP_RULES,
@@ -81,6 +100,11 @@ def register(sub) -> None:
         "the proof's threshold, so that a fraction <= 1 runs inside Theorem 1's hypothesis "
         "(default eta-star)",
     )
+
+
+def _add_theorem1_flags(p) -> None:
+    """What is measured beyond the one run: the global threshold's search and the
+    descriptive ladder."""
     p.add_argument(
         "--worst-case",
         action="store_true",
@@ -110,6 +134,10 @@ def register(sub) -> None:
         default=[1.0, 2.0, 4.0],
         help="with --ladder full: delay scales of the G1 fit (1 is always included; default 1 2 4)",
     )
+
+
+def _add_run_flags(p) -> None:
+    """The random stream, the batches, the networks' size and each run's settings."""
     p.add_argument(
         "--seed", type=seed_int(), default=0, help="random stream, in [0, 2**63) (default 0)"
     )
@@ -150,16 +178,41 @@ def register(sub) -> None:
         default=1e-3,
         help="converged when max|N(T) - N*| <= tol * max(1, max N*) (default 1e-3)",
     )
-    p.add_argument("--out", metavar="DIR", help="write results.jsonl and summary.json; resume")
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    p.add_argument("--no-progress", action="store_true", help="never show progress")
-    add_process_options(p)
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    """Every option, the scenario file and `--out` are checked before anything is drawn;
+    the library's refusals (`VerifyConfig`, the output directory's manifest) name the
+    options (`dlbfluid._cli._flags.VERIFY`)."""
+    from .._verify import verify
+
+    n, given = _check(args)
+    config = _config(args)
+    res = verify(
+        n,
+        args.seed,
+        config=config,
+        out_dir=args.out,
+        progress=not args.no_progress,
+        processes=getattr(args, "processes", None),
+        scenario=given,
+        labels=VERIFY,
+    )
+    if res is None:  # not process 0: it prints and writes the merged results
+        return 0
+    records = res.pop("records")
+    if args.json:
+        emit_json({"summary": res, "scenarios": records})
+        return 0
+    _print_tables(res, args)
+    print(f"dlbfluid verify: wall time {res['wall_s']:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _check(args) -> tuple[int, dict | None]:
+    """The checks of the options among themselves, the scenario file and `--out`:
+    `(scenarios to verify, the given scenario or None)`."""
     from .._registry import flow_policy_names
-    from .._verify import VerifyConfig, verify
 
     check_min_max(args.min_cells, args.max_cells, "--min-cells", "--max-cells")
     check_whole_ticks(args.horizon, args.tick)
@@ -182,68 +235,75 @@ def run(args) -> int:
         given = json.loads(Path(args.scenario).read_text())
         n = 1
     check_out_dir_on_main(args, args.out)
-    config = VerifyConfig(
-        chunk=args.chunk,
-        n_cells=(args.min_cells, args.max_cells),
-        horizon=args.horizon,
-        tick=args.tick,
-        step_fraction=args.step_fraction,
-        conv_tol=args.conv_tol,
-        policies=None if args.policy == "all" else (args.policy,),
-        generator=args.generator,
-        step_rule=args.step_rule,
-        ladder=args.ladder,
-        tau_scales=tuple(args.tau_scales),
-        step_base=args.step_base,
-        worst_case=args.worst_case,
-        starts=args.starts,
-    )
-    res = verify(
-        n,
-        args.seed,
-        config=config,
-        out_dir=args.out,
-        progress=not args.no_progress,
-        processes=getattr(args, "processes", None),
-        scenario=given,
-    )
-    if res is None:  # not process 0: it prints and writes the merged results
-        return 0
-    records = res.pop("records")
-    if args.json:
-        emit_json({"summary": res, "scenarios": records})
-        return 0
-    rows, diag = [], []
-    for pol, s in res["policies"].items():
-        q = lambda d: (
-            "-" if d["q50"] is None else f"{d['q50']:.3g} [{d['q10']:.2g}, {d['q90']:.2g}]"
+    return n, given
+
+
+def _config(args):
+    """The `VerifyConfig` of the options; its refusals name the options."""
+    from .._verify import VerifyConfig
+
+    try:
+        return VerifyConfig(
+            chunk=args.chunk,
+            n_cells=(args.min_cells, args.max_cells),
+            horizon=args.horizon,
+            tick=args.tick,
+            step_fraction=args.step_fraction,
+            conv_tol=args.conv_tol,
+            policies=None if args.policy == "all" else (args.policy,),
+            generator=args.generator,
+            step_rule=args.step_rule,
+            ladder=args.ladder,
+            tau_scales=tuple(args.tau_scales),
+            step_base=args.step_base,
+            worst_case=args.worst_case,
+            starts=args.starts,
         )
-        f = lambda v: "-" if v is None else f"{v:.3f}"
-        est = s["estimates_hold_fraction"]
-        rows.append(
-            [
-                pol,
-                f(s["in_hypothesis_fraction"]),
-                f(s["theorem1_holds_fraction"]),
-                q(s["tightness"]),
-                f(min(est.values())) if est and None not in est.values() else "-",
-                q(s["eta0_over_eta_star"]),
-                q(s["eta_global_over_eta_star"]),
-                f(s["bistable_fraction"]),
-            ]
-        )
-        diag.append(
-            [
-                pol,
-                f(s["projection_check_holds_fraction"]),
-                f"{s['converged_fraction']:.3f}",
-                s["failed"],
-                q(s["time_average_distance"]),
-                q(s["eta_over_eta_star"]),
-                f(s["bound_holds_fraction"]),
-                q(s["empirical_eta0_over_eta_star"]),
-            ]
-        )
+    except ValueError as e:
+        raise relabel(e, VERIFY) from None
+
+
+def _q(d: dict) -> str:
+    """A quantile summary: `q50 [q10, q90]`."""
+    return "-" if d["q50"] is None else f"{d['q50']:.3g} [{d['q10']:.2g}, {d['q90']:.2g}]"
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _theorem1_row(pol: str, s: dict) -> list:
+    """One policy's row of Theorem 1's verdict."""
+    est = s["estimates_hold_fraction"]
+    return [
+        pol,
+        _f(s["in_hypothesis_fraction"]),
+        _f(s["theorem1_holds_fraction"]),
+        _q(s["tightness"]),
+        _f(min(est.values())) if est and None not in est.values() else "-",
+        _q(s["eta0_over_eta_star"]),
+        _q(s["eta_global_over_eta_star"]),
+        _f(s["bistable_fraction"]),
+    ]
+
+
+def _diagnostics_row(pol: str, s: dict) -> list:
+    """One policy's row of the diagnostics (not the theorem's verdict)."""
+    return [
+        pol,
+        _f(s["projection_check_holds_fraction"]),
+        f"{s['converged_fraction']:.3f}",
+        s["failed"],
+        _q(s["time_average_distance"]),
+        _q(s["eta_over_eta_star"]),
+        _f(s["bound_holds_fraction"]),
+        _q(s["empirical_eta0_over_eta_star"]),
+    ]
+
+
+def _print_tables(res: dict, args) -> None:
+    """The run's line, Theorem 1's table and the diagnostics' table."""
+    pols = res["policies"].items()
     base = "eta*" if args.step_base == "eta-star" else "eta0"
     rule = f"eta = {args.step_fraction} {base}" if args.step_rule == "oracle" else "paper step rule"
     n_sc = res["scenarios"]
@@ -252,36 +312,10 @@ def run(args) -> int:
         f"tick {args.tick} s, {rule}, ladder {args.ladder}; devices {res['devices']}"
     )
     print("Theorem 1 (the verdict: runs with eta <= eta0 against the explicit bound)")
-    print(
-        table(
-            rows,
-            [
-                "policy",
-                "in hypothesis",
-                "bound holds",
-                "bound/measured q50 [q10, q90]",
-                "estimates hold",
-                "eta0/eta*",
-                "eta_g/eta*",
-                "bistable",
-            ],
-        )
-    )
+    header = ["policy", "in hypothesis", "bound holds", "bound/measured q50 [q10, q90]",
+              "estimates hold", "eta0/eta*", "eta_g/eta*", "bistable"]  # fmt: skip
+    print(table([_theorem1_row(pol, s) for pol, s in pols], header))
     print("Diagnostics (not the theorem's verdict)")
-    print(
-        table(
-            diag,
-            [
-                "policy",
-                "projection check",
-                "converged",
-                "failed",
-                "time-avg distance",
-                "eta/eta*",
-                "under fitted shape",
-                "empirical eta0/eta*",
-            ],
-        )
-    )
-    print(f"dlbfluid verify: wall time {res['wall_s']:.1f} s", file=sys.stderr)
-    return 0
+    header = ["policy", "projection check", "converged", "failed", "time-avg distance",
+              "eta/eta*", "under fitted shape", "empirical eta0/eta*"]  # fmt: skip
+    print(table([_diagnostics_row(pol, s) for pol, s in pols], header))

@@ -24,6 +24,7 @@ import csv
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -320,6 +321,7 @@ def run_experiment(
     *,
     progress: bool = False,
     processes: Processes | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> dict | None:
     """Run (or resume) an experiment into `out_dir`; returns the summary.
 
@@ -337,6 +339,10 @@ def run_experiment(
     one-process run's order, shows progress and returns the summary (the others return
     `None`).
 
+    `labels`: another name of each field (and of `"out_dir"`) in the directory's
+    refusals (the command line's options, from `dlbfluid._cli._flags`); by default the
+    fields' own names (`out_dir = '...' is invalid: ... (changed: seed: 0 -> 1)`).
+
     **Raises:** `X64Error` while JAX's x64 mode is off (the experiment computes in
     float64), before anything is written.
     """
@@ -348,7 +354,7 @@ def run_experiment(
     sweep: Sweep[tuple] = Sweep(
         procs, "experiment/start", "experiment/rows", results if procs.main else None
     )
-    _, done = sweep.open(lambda: (None, [list(unit) for unit in _open_results(cfg, out)]))
+    _, done = sweep.open(lambda: (None, [list(unit) for unit in _open_results(cfg, out, labels)]))
     finished = {tuple(unit) for unit in done}
     order = ["rand"] + [p for p in cfg.policies if p != "rand"]
     units = [(v, o, p) for v, o in _variants(cfg.experiment) for p in order]
@@ -498,7 +504,9 @@ def _row(cfg: ExperimentConfig, common: dict, st, run: dict, n_cells: int, util,
     }
 
 
-def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], list[dict]]:
+def _open_results(
+    cfg: ExperimentConfig, out: Path, labels: Mapping[str, str] | None = None
+) -> dict[tuple[str, str], list[dict]]:
     """Create or check `out` (`manifest.json`, `config.json`), drop a torn unit from
     `results.csv`, and return the complete units already there.
 
@@ -507,21 +515,11 @@ def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], lis
     field). A directory of a version without manifests holds `config.json` alone: it is
     checked against `cfg` and, when equal, adopted (its version was not recorded) by
     writing the manifest, so those directories keep resuming. `config.json` is still
-    written (summary readers and older versions read it).
+    written (summary readers and older versions read it). `labels`: another name of each
+    field (and of `"out_dir"`) in the refusals, e.g. the command line's options.
     """
-    labels = {
-        "experiment": "KIND",
-        "scenarios": "--scenarios",
-        "trials": "--trials",
-        "seed": "--seed",
-        "horizon": "--horizon",
-        "tick": "--tick",
-        "step_fraction": "--step-fraction",
-        "policies": "--policies",
-        "error_aversion": "--no-error-aversion",
-        "model": "--model",
-        "service": "--service",
-    }
+    labels = {} if labels is None else labels
+    flag = labels.get("out_dir", "out_dir")
     cpath = out / "config.json"
     legacy = None
     if not (out / MANIFEST).exists() and cpath.exists():
@@ -529,14 +527,15 @@ def _open_results(cfg: ExperimentConfig, out: Path) -> dict[tuple[str, str], lis
             legacy = json.loads(cpath.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(
-                f"--out = {str(out)!r} is invalid: its config.json is not an experiment's "
-                f"configuration ({e}); choose a new --out"
+                f"{flag} = {str(out)!r} is invalid: its config.json is not an experiment's "
+                f"configuration ({e}); choose a new {flag}"
             ) from None
         if not isinstance(legacy, dict):
             legacy = {"config.json": legacy}  # (reported as a change of every field)
     resumed = open_manifest(
-        out, "experiment", cfg.to_json(), labels=labels, adopt=legacy, results=("results.csv",)
-    )
+        out, "experiment", cfg.to_json(), flag=flag, labels=labels, adopt=legacy,
+        results=("results.csv",),
+    )  # fmt: skip
     if not cpath.exists():
         cpath.write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
     results = CsvRows(out / "results.csv", fields(cfg))

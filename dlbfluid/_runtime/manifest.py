@@ -78,7 +78,7 @@ def open_manifest(
     command: str,
     config: Mapping,
     *,
-    flag: str = "--out",
+    flag: str = "out_dir",
     labels: Mapping[str, str] | None = None,
     adopt: Mapping | None = None,
     results: Iterable[str] = (),
@@ -90,9 +90,11 @@ def open_manifest(
     - `out`: the output directory (created if absent).
     - `command`: the command's name, e.g. `"verify"`.
     - `config`: every setting that changes any number of the results (JSON-serialisable).
-    - `flag`: the option that named `out`, for the messages.
-    - `labels`: the command-line option of each configuration field, for the messages
-      (`{"seed": "--seed"}` gives `seed (--seed): 0 -> 1`).
+    - `flag`: the name of `out` in the messages: the caller's argument (default
+      `out_dir`), or the command line's option (`--out`).
+    - `labels`: another name of each configuration field for the messages, e.g. the
+      command line's option (`{"seed": "--seed"}` gives `seed (--seed): 0 -> 1`); without
+      one a field is named alone (`seed: 0 -> 1`).
     - `adopt`: for a directory without a manifest, the configuration that an older
       version recorded in its own way (e.g. `run_experiment`'s `config.json`): when equal
       to `config` the directory is adopted (the manifest is written, with this version).

@@ -3,7 +3,6 @@
 chunk's records (`records`), the summary (`summary`), and the verb (`verb`), a resumable sweep
 (`dlbfluid._runtime.Sweep`)."""
 
-from .config import _FLAGS as _FLAGS
 from .config import DEFAULT_CHUNK as DEFAULT_CHUNK
 from .config import VerifyConfig as VerifyConfig
 from .config import flow_policies as flow_policies

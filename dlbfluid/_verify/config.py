@@ -17,26 +17,6 @@ from .._registry import flow_policy_names
 DEFAULT_CHUNK = 32
 """Scenarios per compiled batch of `verify` unless a run of fewer than 128 asks for less."""
 
-# The command-line option of each field of the manifest, for its messages.
-_FLAGS = {
-    "n_scenarios": "--scenarios",
-    "seed": "--seed",
-    "n_cells": "--min-cells, --max-cells",
-    "horizon": "--horizon",
-    "tick": "--tick",
-    "step_fraction": "--step-fraction",
-    "conv_tol": "--conv-tol",
-    "generator": "--generator",
-    "scenario": "--scenario",
-    "step_rule": "--step-rule",
-    "ladder": "--ladder",
-    "tau_scales": "--tau-scales",
-    "policies": "--policy",
-    "step_base": "--step-base",
-    "worst_case": "--worst-case",
-    "starts": "--starts",
-}
-
 
 def flow_policies(names=None) -> tuple[tuple[str, str], ...]:
     """`(policy name, cost name)` of the registered flow policies (or of `names`)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import jax
@@ -24,7 +24,7 @@ from .._runtime.distributed import Processes
 from .._runtime.manifest import open_manifest, resume_note
 from .._runtime.progress import Progress
 from . import records as _records
-from .config import _FLAGS, DEFAULT_CHUNK, VerifyConfig, flow_policies
+from .config import DEFAULT_CHUNK, VerifyConfig, flow_policies
 from .networks import _AppB, draw_scenario
 from .summary import summarise
 
@@ -39,6 +39,7 @@ def verify(
     draw: Callable[[int, int], dict] | None = None,
     processes: Processes | None = None,
     scenario: dict | None = None,
+    labels: Mapping[str, str] | None = None,
     **settings,
 ) -> dict | None:
     """Verify Theorem 1 on `n_scenarios` random scenarios; returns the summary dict.
@@ -106,6 +107,11 @@ def verify(
     of 2, 3 and 4 gave identical records, a chunk of 1 differed by one ulp), so a resumed
     run may use another.
 
+    `labels`: another name of each argument and field in the directory's refusals
+    (`{"out_dir": "--out", "seed": "--seed"}`: the command line's options, from
+    `dlbfluid._cli._flags`); by default they name the Python arguments and fields
+    (`out_dir = '...' is invalid: ... (changed: seed: 0 -> 1)`).
+
     **Raises:** `ValueError` when `out_dir` holds a run with other settings (naming each
     changed field with its old and new value) or of another dlbfluid version, or
     `results.jsonl` without a manifest (a run whose settings were not recorded); `out_dir`
@@ -120,7 +126,7 @@ def verify(
     if not (isinstance(n_scenarios, int) and n_scenarios >= 1):
         raise ValueError(f"n_scenarios = {n_scenarios!r} is invalid: expected a positive value")
     pols = flow_policies(cfg.policies)
-    sweep, done = _open(procs, out_dir, cfg, n_scenarios, seed, draw, scenario)
+    sweep, done = _open(procs, out_dir, cfg, n_scenarios, seed, draw, scenario, labels or {})
     source = _source(cfg, draw, scenario)
     t_start = time.perf_counter()
     bar, report = _progress(procs, progress, n_scenarios, len(done))
@@ -204,10 +210,10 @@ def _config(config: VerifyConfig | None, settings: dict) -> VerifyConfig:
     return dataclasses.replace(cfg, **settings) if settings else cfg
 
 
-def _open(procs, out_dir, cfg: VerifyConfig, n_scenarios, seed, draw, scenario):
-    """`(the sweep, records already done)`: process 0 checks `out_dir`'s manifest and
-    reads what is done (`JsonLines`); the others learn from it which scenarios are done
-    (their records are empty there)."""
+def _open(procs, out_dir, cfg: VerifyConfig, n_scenarios, seed, draw, scenario, labels):
+    """`(the sweep, records already done)`: process 0 checks `out_dir`'s manifest (its
+    refusals name the fields by `labels`) and reads what is done (`JsonLines`); the others
+    learn from it which scenarios are done (their records are empty there)."""
     path = None if out_dir is None or not procs.main else Path(out_dir) / "results.jsonl"
     results = None if path is None else JsonLines(path)
     sweep: Sweep[list[int]] = Sweep(procs, "verify/todo", "verify/chunk", results)
@@ -216,8 +222,9 @@ def _open(procs, out_dir, cfg: VerifyConfig, n_scenarios, seed, draw, scenario):
         if results is None:
             return {}, []
         config = cfg.manifest(n_scenarios, seed, draw=draw, scenario=scenario)
+        flag = labels.get("out_dir", "out_dir")
         resumed = open_manifest(
-            out_dir, "verify", config, labels=_FLAGS, results=("results.jsonl",)
+            out_dir, "verify", config, flag=flag, labels=labels, results=("results.jsonl",)
         )
         done = results.read()
         if resumed:
