@@ -107,10 +107,9 @@ def _check_args(args) -> tuple[tuple[str, ...], int, Path]:
 
 
 def run(args) -> int:
-    from .._equilibrium import solve_equilibrium
-    from .._plot import plot_trajectories
+    """Check every option, solve the equilibria of the policies' costs, simulate each
+    policy, then write `demo.png` and `demo.json` and print the table (or the JSON)."""
     from .._scenario import default_scenario
-    from .._simulate import simulate
 
     names, K, out = _check_args(args)
     note = step_size_warning(args.step_size, args.tick)
@@ -118,11 +117,33 @@ def run(args) -> int:
         warn("demo", note)
     scn = default_scenario()
     pols = {p: _make_policy(p) for p in names}
+    t0 = time.perf_counter()
+    eq, sols = _solve_and_simulate(scn, pols, args, min(_MAX_SAVES, K), K)
+    records, rows = _policy_records(scn, pols, eq, sols)
+    opt = float(eq["gradient"].mean_latency)
+    wall = time.perf_counter() - t0
+    png = _plot(scn, pols, eq, sols, opt, out)
+    result = _result(scn, args, eq, records, opt, str(png), wall)
+    write_json(out / "demo.json", result)
+    if args.json:
+        emit_json(result)
+        return 0
+    _print_text(scn, args, rows, opt, pols, sols)
+    print(f"wrote {png} and {out / 'demo.json'} ({wall:.1f} s)")
+    return 0
+
+
+def _solve_and_simulate(scn, pols: dict, args, n_save: int, K: int) -> tuple[dict, dict]:
+    """`(equilibrium per cost, solution per policy)`: the equilibria of the policies'
+    costs and the social optimum's (`gradient`), then one run per policy, each step
+    announced on stderr."""
+    from .._equilibrium import solve_equilibrium
+    from .._simulate import simulate
+
+    names = list(pols)
     costs = [c.name for c in dict.fromkeys(p.cost for p in pols.values() if p.cost is not None)]
     if "gradient" not in costs:
         costs.append("gradient")
-    n_save = min(_MAX_SAVES, K)
-
     # Nearly all of a first run is compiling one program per cost and per policy (each
     # then runs in about a second). Policies cannot share a program: a policy is static
     # in the simulator's trace. XLA compiles outside the GIL, but threads overlapping the
@@ -135,7 +156,6 @@ def run(args) -> int:
         file=sys.stderr,
         flush=True,
     )
-    t0 = time.perf_counter()
     eq, sols = {}, {}
     for k, (kind, name) in enumerate(steps, 1):
         what = f"solving the {name} equilibrium" if kind == "equilibrium" else f"simulating {name}"
@@ -152,11 +172,16 @@ def run(args) -> int:
                 n_save=n_save,
                 throw=False,
             )
+    return eq, sols
 
+
+def _policy_records(scn, pols: dict, eq: dict, sols: dict) -> tuple[list[dict], list[list]]:
+    """`(JSON record, table row)` of each policy: its mean latency over the window, its
+    final distance to its cost's equilibrium (to the previous tick without a cost), its
+    oscillation and status."""
     n = scn.n_cells
     rows, records = [], []
-    for pol in names:
-        sol = sols[pol]
+    for pol, sol in sols.items():
         lat = float(sol.mean_latency(_WINDOW))
         N_T = np.asarray(sol.N[-1])[:n]
         cost = pols[pol].cost
@@ -180,11 +205,16 @@ def run(args) -> int:
             }
         )
         rows.append([pol, f"{lat:.4f}", f"{dist:.3g}", ref, f"{osc:.3g}", status])
-    opt = float(eq["gradient"].mean_latency)
-    wall = time.perf_counter() - t0
+    return records, rows
 
+
+def _plot(scn, pols: dict, eq: dict, sols: dict, opt: float, out: Path):
+    """`demo.png`: each policy's trajectories beside its cost's equilibrium; its path."""
+    from .._plot import plot_trajectories
+
+    names = list(pols)
     order, ncols = _plot_order(names)
-    png = plot_trajectories(
+    return plot_trajectories(
         [sols[p] for p in order],
         out / "demo.png",
         title=f"{scn.name}: workloads and routing of {len(names)} "
@@ -194,7 +224,12 @@ def run(args) -> int:
         window=_WINDOW,
         ncols=ncols,
     )
-    result = {
+
+
+def _result(scn, args, eq: dict, records: list, opt: float, png: str, wall: float) -> dict:
+    """The JSON object of `--json` and `demo.json` (README, *dlbfluid demo*)."""
+    n = scn.n_cells
+    return {
         "scenario": scn.name,
         "cells": list(scn.cell_names),
         "step_size": args.step_size,
@@ -202,7 +237,7 @@ def run(args) -> int:
         "horizon": args.horizon,
         "optimal_mean_latency": opt,
         "policies": records,
-        "png": str(png),
+        "png": png,
         "wall_s": wall,
         "latency_window": _WINDOW,
         "equilibria": {
@@ -216,10 +251,10 @@ def run(args) -> int:
         },
         "mnlb": {"update_period": MNLB_UPDATE_PERIOD, "utilisation_cap": MNLB_UTILISATION_CAP},
     }
-    write_json(out / "demo.json", result)
-    if args.json:
-        emit_json(result)
-        return 0
+
+
+def _print_text(scn, args, rows: list, opt: float, pols: dict, sols: dict) -> None:
+    """The run's line, the policies' table and the notes under it."""
     print(
         f"dlbfluid demo: scenario {scn.name!r} ({', '.join(scn.cell_names)}), "
         f"eta = {args.step_size}, tick = {args.tick} s, horizon = {args.horizon} s"
@@ -241,8 +276,6 @@ def run(args) -> int:
     )
     if "mnlb" in sols:
         print(_mnlb_note(scn, sols["mnlb"], args.horizon))
-    print(f"wrote {png} and {out / 'demo.json'} ({wall:.1f} s)")
-    return 0
 
 
 def _mnlb_note(scn, sol, horizon: float) -> str:

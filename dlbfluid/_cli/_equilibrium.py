@@ -81,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
     and the price of anarchy (a ratio of two zero costs) are undefined: null in JSON,
     "n/a" / "undefined" in the text output."""
     from .._equilibrium import solve_equilibrium
-    from .._results import RESULTS
 
     scn = load_scenario_arg(args.scenario, command="equilibrium")
     costs = _costs() if args.cost == "all" else (args.cost,)
@@ -95,39 +94,65 @@ def run(args: argparse.Namespace) -> int:
     at, ar = np.asarray(scn.arrival_times), np.asarray(scn.arrival_rates)
     demand = sum(float(np.interp(args.time, at[i], ar[i])) for i in range(len(at)))
     latency = {c: float(sols[c].mean_latency) if demand > 0 else math.nan for c in costs}
-    records = []
-    for c in costs:
-        rec = sols[c].summary()
-        rec["mean_latency"] = latency[c]  # (no requests: no mean latency, null in JSON)
-        records.append(rec)
-    out: dict = {"scenario": scn.name, "cells": list(scn.cell_names), "equilibria": records}
+    out = _result(scn, sols, latency)
     if args.cost == "all":
-        opt = float(sols["gradient"].social_cost)
-        out["price_of_anarchy"] = {
-            c: (float(sols[c].social_cost) / opt if demand > 0 and opt != 0 else None)
-            for c in costs
-            if c != "gradient"
-        }
-        # RIF's routing is not unique: the range over its equilibria (theory/equilibria.md
-        # §5.1), which the solver's routing (the "rif" ratio above) lies in
-        out["rif_mean_latency_range"] = out["rif_price_of_anarchy_range"] = None
-        if demand > 0:  # (without demand every routing costs 0: nothing to bound)
-            from .._equilibrium import rif_latency_range
-
-            doing("equilibrium", "bounding the mean latency over the RIF equilibria (two LPs)")
-            rr = rif_latency_range(scn, equilibrium=sols["rif"], time=args.time)
-            lo, hi = float(rr.social_cost_low), float(rr.social_cost_high)
-            out["rif_mean_latency_range"] = [
-                float(rr.mean_latency_low),
-                float(rr.mean_latency_high),
-            ]
-            if opt != 0:
-                out["rif_price_of_anarchy_range"] = [lo / opt, hi / opt]
+        out.update(_anarchy(scn, sols, demand, args.time))
     ok = all(int(s.status) == 0 for s in sols.values())
     if args.json:
         emit_json(out)
         return 0 if ok else 1
+    _print_text(scn, sols, latency, out, demand, args.time)
+    if not ok:
+        print("warning: some equilibria did not reach the KKT tolerance (status above)")
+    return 0 if ok else 1
 
+
+def _result(scn, sols: dict, latency: dict) -> dict:
+    """The JSON object's scenario and each equilibrium's `summary()`, its mean latency
+    `latency` (NaN without demand: null in JSON)."""
+    records = []
+    for c, sol in sols.items():
+        rec = sol.summary()
+        rec["mean_latency"] = latency[c]  # (no requests: no mean latency, null in JSON)
+        records.append(rec)
+    return {"scenario": scn.name, "cells": list(scn.cell_names), "equilibria": records}
+
+
+def _anarchy(scn, sols: dict, demand: float, time: float) -> dict:
+    """With every cost solved: each cost's price of anarchy against the social optimum,
+    and the range of the mean latency and of the price of anarchy over RIF's equilibria
+    (null where undefined: no demand, or an optimum that costs 0)."""
+    from .._equilibrium import rif_latency_range
+
+    opt = float(sols["gradient"].social_cost)
+    out: dict = {
+        "price_of_anarchy": {
+            c: (float(sol.social_cost) / opt if demand > 0 and opt != 0 else None)
+            for c, sol in sols.items()
+            if c != "gradient"
+        }
+    }
+    # RIF's routing is not unique: the range over its equilibria (theory/equilibria.md
+    # §5.1), which the solver's routing (the "rif" ratio above) lies in
+    out["rif_mean_latency_range"] = out["rif_price_of_anarchy_range"] = None
+    if demand > 0:  # (without demand every routing costs 0: nothing to bound)
+        doing("equilibrium", "bounding the mean latency over the RIF equilibria (two LPs)")
+        rr = rif_latency_range(scn, equilibrium=sols["rif"], time=time)
+        lo, hi = float(rr.social_cost_low), float(rr.social_cost_high)
+        out["rif_mean_latency_range"] = [
+            float(rr.mean_latency_low),
+            float(rr.mean_latency_high),
+        ]
+        if opt != 0:
+            out["rif_price_of_anarchy_range"] = [lo / opt, hi / opt]
+    return out
+
+
+def _print_text(scn, sols: dict, latency: dict, out: dict, demand: float, time: float) -> None:
+    """The equilibria's table, the cells' workloads and routing, and the price of anarchy."""
+    from .._results import RESULTS
+
+    costs = list(sols)
     names = list(scn.cell_names) or [f"cell{j}" for j in range(scn.n_cells)]
     print(f"scenario {scn.name!r}: {len(names)} cells")
     rows = [
@@ -154,25 +179,26 @@ def run(args: argparse.Namespace) -> int:
     if not demand > 0:
         print()
         print(
-            f"no demand at t = {args.time:g} s (every arrival rate is 0): every routing costs "
+            f"no demand at t = {time:g} s (every arrival rate is 0): every routing costs "
             "0, so the mean latency is undefined"
         )
     if "price_of_anarchy" in out:
-        poa = out["price_of_anarchy"]
-        print()
-        if any(v is None for v in poa.values()):
-            print("price of anarchy: undefined (the social optimum costs 0)")
-        else:
-            print(
-                "price of anarchy: "
-                + ", ".join(f"{c} {v:.6f}" for c, v in poa.items())
-                + " (social cost over the social optimum's)"
-            )
-            rl, rp = out["rif_mean_latency_range"], out["rif_price_of_anarchy_range"]
-            print(
-                f"over all RIF equilibria (same N*, other routings): mean latency "
-                f"{rl[0]:.6g} to {rl[1]:.6g} s, price of anarchy {rp[0]:.6f} to {rp[1]:.6f}"
-            )
-    if not ok:
-        print("warning: some equilibria did not reach the KKT tolerance (status above)")
-    return 0 if ok else 1
+        _print_anarchy(out)
+
+
+def _print_anarchy(out: dict) -> None:
+    poa = out["price_of_anarchy"]
+    print()
+    if any(v is None for v in poa.values()):
+        print("price of anarchy: undefined (the social optimum costs 0)")
+        return
+    print(
+        "price of anarchy: "
+        + ", ".join(f"{c} {v:.6f}" for c, v in poa.items())
+        + " (social cost over the social optimum's)"
+    )
+    rl, rp = out["rif_mean_latency_range"], out["rif_price_of_anarchy_range"]
+    print(
+        f"over all RIF equilibria (same N*, other routings): mean latency "
+        f"{rl[0]:.6g} to {rl[1]:.6g} s, price of anarchy {rp[0]:.6f} to {rp[1]:.6f}"
+    )

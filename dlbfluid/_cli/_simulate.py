@@ -89,6 +89,31 @@ def register(sub) -> None:
         help="routing policy (default flow-grad); with --model requests it may be repeated "
         "(--policy rand --policy flow-grad), each policy run on the same trials",
     )
+    # (the groups in the order `--help` lists them)
+    _add_request_flags(p)
+    add_run_options(p, horizon=SIMULATE_HORIZON)
+    p.add_argument(
+        "--window",
+        type=fraction("window"),
+        default=0.5,
+        help="fraction of the horizon, at its end, over which mean latency and "
+        "throughput are averaged (default 0.5)",
+    )
+    p.add_argument(
+        "--n-save",
+        type=positive_int("n-save"),
+        default=200,
+        help="number of save intervals of the trajectory (default 200)",
+    )
+    add_integrator_options(p)
+    _add_control_flags(p)
+    add_process_options(p)
+    p.set_defaults(func=run)
+
+
+def _add_request_flags(p) -> None:
+    """The group of `--model requests` (its values checked by `request_options`, so that
+    a refusal is one line)."""
     g = p.add_argument_group(
         "request level (--model requests)",
         "Simulate the scenario request by request (dlbfluid.simulate_requests): Poisson "
@@ -125,21 +150,10 @@ def register(sub) -> None:
     g.add_argument(
         "--seed", default=None, metavar="S", help="the random stream, in [0, 2**63) (default 0)"
     )
-    add_run_options(p, horizon=SIMULATE_HORIZON)
-    p.add_argument(
-        "--window",
-        type=fraction("window"),
-        default=0.5,
-        help="fraction of the horizon, at its end, over which mean latency and "
-        "throughput are averaged (default 0.5)",
-    )
-    p.add_argument(
-        "--n-save",
-        type=positive_int("n-save"),
-        default=200,
-        help="number of save intervals of the trajectory (default 200)",
-    )
-    add_integrator_options(p)
+
+
+def _add_control_flags(p) -> None:
+    """What is refused or checked before the run, and what it writes and shows."""
     p.add_argument(
         "--allow-overload",
         action="store_true",
@@ -156,8 +170,6 @@ def register(sub) -> None:
         help="skip the comparison of a flow policy's --step-size with its critical step size "
         "eta* (one equilibrium solve and a linear stability test before the run)",
     )
-    add_process_options(p)
-    p.set_defaults(func=run)
 
 
 DEFAULT_TRIALS = 10
@@ -290,42 +302,16 @@ def run(args) -> int:
     scn = load_scenario_arg(args.scenario, allow_overload=args.allow_overload, command="simulate")
     out = check_out_dir(args.out)
     from .._registry import flow_policy_names
-    from .._simulate import simulate
 
     flow = args.policy in flow_policy_names()  # (the policies with a step size)
     note = step_size_warning(args.step_size, args.tick)
     if note and flow:
         warn("simulate", note)
-    n_save = min(args.n_save, max(1, int(round(args.horizon / args.tick))))
-    ticks = args.horizon / args.tick
-    show = not args.no_progress and (sys.stderr.isatty() or ticks > 20000)
     check = None
     if not args.no_step_check and flow:
-        doing("simulate", f"comparing --step-size with {args.policy}'s critical step size")
-        check = step_check(scn, args.policy, args.step_size, args.allow_overload)
-        if check["ratio"] is not None and check["ratio"] > STEP_RATIO_WARN:
-            warn(
-                "simulate",
-                f"--step-size = {args.step_size:g} is {check['ratio']:.3g} times the critical "
-                f"step size eta* = {check['critical_step_size']:.3g} of the linearised model "
-                "(dlbfluid stability): expect oscillation, not convergence",
-            )
-    doing(
-        "simulate",
-        f"simulating {args.policy} for {plural(int(round(ticks)), 'tick')} of {args.tick:g} s",
-    )
+        check = _step_check_warned(scn, args)
     t0 = time.perf_counter()
-    sol = simulate(
-        scn,
-        args.policy,
-        step_size=args.step_size,
-        tick=args.tick,
-        horizon=args.horizon,
-        n_save=n_save,
-        integrator=make_integrator(args),
-        progress=show,
-        throw=False,
-    )
+    sol = _simulate_fluid(scn, args)
     wall = time.perf_counter() - t0
     summary = sol.summary(args.window)
     unsettled = unsettled_note(summary["oscillation"], summary["final"]["N"])
@@ -336,35 +322,85 @@ def run(args) -> int:
     summary["step_size_check"] = check
     summary["wall_s"] = wall
     if out is not None:
-        np.savez(out / "trajectory.npz", **sol.to_numpy())
-        write_json(out / "summary.json", summary)
-        from .._plot import plot_trajectories
-
-        plot_trajectories(
-            sol, out / "trajectory.png", title=f"{scn.name}: {args.policy}", window=args.window
-        )
+        _write_fluid(out, sol, summary, scn, args)
     if args.json:
         emit_json(summary)
     else:
-        n = len(summary["final"]["N"])
-        names = summary["cells"] or [f"cell{j}" for j in range(n)]
-        print(
-            f"scenario {scn.name!r}, policy {args.policy}, eta {args.step_size}, "
-            f"tick {args.tick} s, horizon {summary['horizon']} s, status {summary['status']}"
-        )
-        print(f"mean end-to-end latency (last {args.window:.0%}): {_latency_text(summary)}")
-        for j in range(n):
-            print(
-                f"  {names[j]:>14}: N(T) = {summary['final']['N'][j]:10.5g}   "
-                f"throughput = {summary['throughput'][j]:10.5g} req/s"
-            )
-        print(
-            f"change over the last tick: {summary['final_change']:.3g}; "
-            f"oscillation (last 25%): {summary['oscillation']:.3g}"
-        )
-        if args.out:
-            print(f"wrote {args.out}/trajectory.npz, summary.json, trajectory.png")
+        _print_fluid(summary, scn, args)
     return 0 if summary["status"] == "success" else 1
+
+
+def _step_check_warned(scn, args) -> dict:
+    """`step_check` of `--policy` and `--step-size`, with a warning above
+    `STEP_RATIO_WARN` times eta*."""
+    doing("simulate", f"comparing --step-size with {args.policy}'s critical step size")
+    check = step_check(scn, args.policy, args.step_size, args.allow_overload)
+    if check["ratio"] is not None and check["ratio"] > STEP_RATIO_WARN:
+        warn(
+            "simulate",
+            f"--step-size = {args.step_size:g} is {check['ratio']:.3g} times the critical "
+            f"step size eta* = {check['critical_step_size']:.3g} of the linearised model "
+            "(dlbfluid stability): expect oscillation, not convergence",
+        )
+    return check
+
+
+def _simulate_fluid(scn, args):
+    """The fluid run of `--policy` (`simulate(..., throw=False)`), with progress on a
+    terminal or for a long run."""
+    from .._simulate import simulate
+
+    n_save = min(args.n_save, max(1, int(round(args.horizon / args.tick))))
+    ticks = args.horizon / args.tick
+    show = not args.no_progress and (sys.stderr.isatty() or ticks > 20000)
+    doing(
+        "simulate",
+        f"simulating {args.policy} for {plural(int(round(ticks)), 'tick')} of {args.tick:g} s",
+    )
+    return simulate(
+        scn,
+        args.policy,
+        step_size=args.step_size,
+        tick=args.tick,
+        horizon=args.horizon,
+        n_save=n_save,
+        integrator=make_integrator(args),
+        progress=show,
+        throw=False,
+    )
+
+
+def _write_fluid(out, sol, summary: dict, scn, args) -> None:
+    """`--out`: trajectory.npz, summary.json and trajectory.png."""
+    from .._plot import plot_trajectories
+
+    np.savez(out / "trajectory.npz", **sol.to_numpy())
+    write_json(out / "summary.json", summary)
+    plot_trajectories(
+        sol, out / "trajectory.png", title=f"{scn.name}: {args.policy}", window=args.window
+    )
+
+
+def _print_fluid(summary: dict, scn, args) -> None:
+    """The run's line, its mean latency, each cell's final workload and throughput."""
+    n = len(summary["final"]["N"])
+    names = summary["cells"] or [f"cell{j}" for j in range(n)]
+    print(
+        f"scenario {scn.name!r}, policy {args.policy}, eta {args.step_size}, "
+        f"tick {args.tick} s, horizon {summary['horizon']} s, status {summary['status']}"
+    )
+    print(f"mean end-to-end latency (last {args.window:.0%}): {_latency_text(summary)}")
+    for j in range(n):
+        print(
+            f"  {names[j]:>14}: N(T) = {summary['final']['N'][j]:10.5g}   "
+            f"throughput = {summary['throughput'][j]:10.5g} req/s"
+        )
+    print(
+        f"change over the last tick: {summary['final_change']:.3g}; "
+        f"oscillation (last 25%): {summary['oscillation']:.3g}"
+    )
+    if args.out:
+        print(f"wrote {args.out}/trajectory.npz, summary.json, trajectory.png")
 
 
 def run_requests(args, req: dict) -> int:
