@@ -7,11 +7,11 @@ is `dlbfluid._evaluation.experiment`.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from .._defaults import DURATION_SCALES, PROBE_TICK, STEP_RULES
 from .._registry import BUILTIN_POLICIES
 from .._registry import POLICIES as _REGISTRY
+from .._validate import integer, number
 
 POLICIES = ("rand", "mnlb") + tuple(p for p in BUILTIN_POLICIES if p not in ("rand", "mnlb"))
 """The default policies, baselines first (any registered policy may be named)."""
@@ -133,13 +133,9 @@ class ExperimentConfig:
     def __post_init__(self):
         vs = variants(self.experiment)
         for f in ("scenarios", "trials"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f} = {v!r} is invalid: expected an integer >= 1")
+            object.__setattr__(self, f, integer(f, getattr(self, f), 1))
         for f in ("horizon", "tick", "mnlb_period"):
-            v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{f} = {v!r} is invalid: expected a finite number > 0")
+            number(f, getattr(self, f), lo=0, lo_open=True)
         for label, opts in vs:
             h = opts.get("tick", self.tick)
             K = round(self.horizon / h)

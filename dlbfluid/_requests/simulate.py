@@ -16,6 +16,8 @@ from .._results import RESULTS, view
 from .._scenario import Scenario
 from .._service.base import code as law_code
 from .._simulate import _hist_len, _setup
+from .._validate import integer
+from .._validate import invalid as _bad
 from .histogram import LatencyHistogram
 from .loop import Trial, _batched, init_state, run_tick
 from .markov import MarkovCells
@@ -52,14 +54,8 @@ class _Config(eqx.Module):
     max_slots: int = 1
 
 
-def _bad(field: str, value, allowed: str) -> ValueError:
-    return ValueError(f"{field} = {value!r} is invalid: {allowed}")
-
-
 def _count(field: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise _bad(field, value, f"expected an integer >= {minimum}")
-    return int(value)
+    return integer(field, value, minimum)
 
 
 def _pow2(x: float) -> int:

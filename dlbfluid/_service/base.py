@@ -32,7 +32,6 @@ only those are evaluated.
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -45,6 +44,7 @@ from jaxtyping import Array, Float, Int
 from .._errors import ScenarioError
 from .._registry import SERVICE_MODELS
 from .._shapes import lead, like
+from .._validate import number as _number
 
 Params = Mapping[str, Array]
 
@@ -182,21 +182,14 @@ def _gl64(fun, N):
 
 
 def number(field: str, value: Any) -> float:
-    """A finite number (not a bool), or `ScenarioError` naming the field."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ScenarioError(f"{field} = {value!r} is invalid: expected a number")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ScenarioError(f"{field} = {value!r} is invalid: expected a finite number")
-    return v
+    """A finite number (not a bool), or `ScenarioError` naming the field (the package's
+    validator, `dlbfluid._validate.number`, for a law's parameter)."""
+    return _number(field, value, error=ScenarioError)
 
 
 def positive(field: str, value: Any) -> float:
     """A finite number > 0, or `ScenarioError` naming the field."""
-    v = number(field, value)
-    if not v > 0:
-        raise ScenarioError(f"{field} = {value!r} is invalid: expected a finite number > 0")
-    return v
+    return _number(field, value, lo=0, lo_open=True, error=ScenarioError)
 
 
 # ----------------------------------------------------------------------------------------

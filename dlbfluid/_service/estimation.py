@@ -25,6 +25,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from .._results import RESULTS, status_names, view
+from .._validate import integer, number
 from . import ServiceModel, code, latency_asymptotic
 
 FIT_STATUS = view("success", "not_converged", "nonfinite", aliases={"converged": "success"})
@@ -55,27 +56,11 @@ def _is_concrete(*xs) -> bool:
 def _check_number(
     name: str, value, *, lo: float, hi: float = math.inf, lo_open=False, hi_open=True
 ):
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if ok:
-        v = float(value)
-        ok = (
-            math.isfinite(v)
-            and (v > lo if lo_open else v >= lo)
-            and (v < hi if hi_open else v <= hi)
-        )
-    if not ok:
-        lb = "(" if lo_open else "["
-        rb = ")" if hi_open else "]"
-        raise ValueError(
-            f"{name} = {value!r} is invalid: expected a finite number in {lb}{lo}, {hi}{rb}"
-        )
-    return float(value)
-
-
-def _check_int(name: str, value, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} = {value!r} is invalid: expected an integer >= {minimum}")
-    return int(value)
+    """`dlbfluid._validate.number` with this module's wording, an interval `[lo, hi)`."""
+    lb = "(" if lo_open else "["
+    rb = ")" if hi_open else "]"
+    allowed = f"expected a finite number in {lb}{lo}, {hi}{rb}"
+    return number(name, value, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, allowed=allowed)
 
 
 # --- the model in the fit's coordinates --------------------------------------------
@@ -182,7 +167,7 @@ def sample_latency(
     if not isinstance(service, ServiceModel):
         raise ValueError(f"service = {type(service).__name__} is invalid: expected a ServiceModel")
     key = _key(seed)
-    n_samples = _check_int("n_samples", n_samples, minimum=_N_PARAMS)
+    n_samples = integer("n_samples", n_samples, _N_PARAMS)
     noise = _check_number("noise", noise, lo=0.0)
     max_load = _check_number("max_load", max_load, lo=0.0, lo_open=True)
     return _sample(service, key, n_samples, jnp.asarray(noise), jnp.asarray(max_load))
@@ -367,8 +352,8 @@ def fit_latency_model(
 
     **Raises:** `ValueError` naming the argument, the value and what is allowed.
     """
-    steps = _check_int("steps", steps, minimum=0)
-    polish_steps = _check_int("polish_steps", polish_steps, minimum=0)
+    steps = integer("steps", steps, 0)
+    polish_steps = integer("polish_steps", polish_steps, 0)
     learning_rate = _check_number("learning_rate", learning_rate, lo=0.0, lo_open=True)
     gtol = _check_number("gtol", gtol, lo=0.0)
     N = jnp.asarray(N, dtype=jnp.result_type(float))

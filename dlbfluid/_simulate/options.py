@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .._integrators import AbstractIntegrator, Fast
+from .._validate import integer, invalid
 
 __all__ = ["LAYOUTS", "SimulateOptions", "default_chunk", "default_layout"]
 
@@ -54,13 +55,9 @@ class SimulateOptions(eqx.Module):
 
     def __check_init__(self):
         for name in ("cpu_chunk", "cpu_chunk_min_cells", "batch_last_chunk"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} = {value!r} is invalid: expected an integer >= 1")
+            integer(name, getattr(self, name), 1)
         if not self.mass_balance_ulps > 0:
-            raise ValueError(
-                f"mass_balance_ulps = {self.mass_balance_ulps!r} is invalid: expected > 0"
-            )
+            raise invalid("mass_balance_ulps", self.mass_balance_ulps, "expected > 0")
 
     def save_bucket(self, n_save: int) -> int:
         """The save intervals the compiled program has for `n_save`: the next power of two

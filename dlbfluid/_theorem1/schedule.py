@@ -27,12 +27,9 @@ import numpy as np
 from .._costs import cost_from_name
 from .._policies import policy_from_name
 from .._simulate import simulate
+from .._validate import integer, invalid, number
 from .check import batch_theorem1_check, batch_time_average
 from .constants import batch_start_terms, batch_theorem1_constants
-
-
-def _bad(field: str, value, allowed: str) -> ValueError:
-    return ValueError(f"{field} = {value!r} is invalid: {allowed}")
 
 
 class Theorem1Schedule(eqx.Module):
@@ -60,16 +57,11 @@ class Theorem1Schedule(eqx.Module):
     max_ticks: int = 400_000
 
     def __check_init__(self):
-        if isinstance(self.rungs, bool) or not isinstance(self.rungs, int) or self.rungs < 2:
-            raise _bad("rungs", self.rungs, "expected an integer >= 2")
-        for name, lo in (("ratio", 1.0), ("c_scale", 0.0), ("tick", 0.0)):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > lo):
-                raise _bad(name, v, f"expected a finite number > {lo:g}")
-        if not (math.isfinite(self.min_horizon) and self.min_horizon >= 0):
-            raise _bad("min_horizon", self.min_horizon, "expected a finite number >= 0")
-        if isinstance(self.max_ticks, bool) or self.max_ticks < 1:
-            raise _bad("max_ticks", self.max_ticks, "expected an integer >= 1")
+        integer("rungs", self.rungs, 2)
+        for name, lo in (("ratio", 1), ("c_scale", 0), ("tick", 0)):
+            number(name, getattr(self, name), lo=lo, lo_open=True)
+        number("min_horizon", self.min_horizon, lo=0)
+        integer("max_ticks", self.max_ticks, 1, whole_floats=True)
 
 
 class Theorem1ScheduleResult(eqx.Module):
@@ -169,7 +161,7 @@ def theorem1_schedule(
     Ts = T0 * schedule.ratio ** np.arange(schedule.rungs)
     Ks = np.rint(Ts / h).astype(int)
     if Ks[-1] > schedule.max_ticks:
-        raise _bad("max_ticks", schedule.max_ticks,
+        raise invalid("max_ticks", schedule.max_ticks,
                    f"the schedule's longest run needs {Ks[-1]} ticks (T = {Ks[-1] * h:g} s at "
                    f"tick {h:g} s, from T0 = (c/eta0)^2 = {(c / eta0) ** 2:.4g} s); raise "
                    "max_ticks or the tick, or lower rungs or ratio")  # fmt: skip

@@ -13,6 +13,7 @@ from .._evaluation.config import STEP_RULE_KAPPA
 from .._global_threshold import WorstCaseSearch
 from .._policies import FlowRouting, policy_from_name
 from .._registry import flow_policy_names
+from .._validate import integer, invalid, number
 
 DEFAULT_CHUNK = 32
 """Scenarios per compiled batch of `verify` unless a run of fewer than 128 asks for less."""
@@ -29,10 +30,6 @@ def flow_policies(names=None) -> tuple[tuple[str, str], ...]:
             )
         out.append((p, pol.cost.name))
     return tuple(out)
-
-
-def _bad(name: str, value, allowed: str) -> ValueError:
-    return ValueError(f"{name} = {value!r} is invalid: {allowed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,27 +78,24 @@ class VerifyConfig:
         for key, choices in (("generator", VERIFY_GENERATORS), ("step_rule", STEP_RULES),
                              ("ladder", VERIFY_LADDERS), ("step_base", STEP_BASES)):  # fmt: skip
             if getattr(self, key) not in choices:
-                raise _bad(key, getattr(self, key), f"allowed values are {list(choices)}")
+                raise invalid(key, getattr(self, key), f"allowed values are {list(choices)}")
         scales = tuple(float(v) for v in self.tau_scales)
         if not scales or any(not (math.isfinite(v) and v > 0) for v in scales):
-            raise _bad("tau_scales", self.tau_scales, "expected scales > 0")
+            raise invalid("tau_scales", self.tau_scales, "expected scales > 0")
         object.__setattr__(self, "tau_scales", scales if 1.0 in scales else (1.0, *scales))
         if self.policies is not None:
             object.__setattr__(self, "policies", tuple(self.policies))
         object.__setattr__(self, "n_cells", tuple(int(v) for v in self.n_cells))
-        for name, ok in (
-            ("chunk", self.chunk is None or (_whole(self.chunk) and self.chunk >= 1)),
-            ("starts", _whole(self.starts) and self.starts >= 1),
-        ):
-            if not ok:
-                raise _bad(name, getattr(self, name), "expected an integer >= 1")
+        if self.chunk is not None:
+            object.__setattr__(self, "chunk", integer("chunk", self.chunk, 1))
+        object.__setattr__(self, "starts", integer("starts", self.starts, 1))
         for name in ("step_fraction", "conv_tol", "horizon", "tick"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise _bad(name, v, "expected a finite number > 0")
+            number(name, getattr(self, name), lo=0, lo_open=True)
         K = round(self.horizon / self.tick)
         if abs(K * self.tick - self.horizon) > 1e-9 * self.horizon:
-            raise _bad("horizon", self.horizon, f"expected a whole number of ticks of {self.tick}")
+            raise invalid(
+                "horizon", self.horizon, f"expected a whole number of ticks of {self.tick}"
+            )
         if self.step_rule == "paper":
             for p, c in flow_policies(self.policies):
                 if c not in STEP_RULE_KAPPA:
@@ -151,10 +145,6 @@ class VerifyConfig:
             if value != default:
                 config[key] = value
         return config
-
-
-def _whole(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _digest(d: dict) -> str:
