@@ -317,6 +317,19 @@ def test_experiment_refuses_another_config_through_the_cli(tmp_path, capsys):
     assert _files(out) == before
 
 
+def test_experiment_bad_value_names_the_field_or_the_option(tmp_path, capsys):
+    """`ExperimentConfig` names its field; `dlbfluid experiment` the option, before `--out`
+    is made."""
+    with pytest.raises(ValueError, match=r"^horizon = 1.0 is invalid: expected a multiple"):
+        small(horizon=1.0, tick=0.3)
+    out = tmp_path / "exp"
+    argv = ["experiment", "burst", "--horizon", "1", "--tick", "0.3", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dlbfluid experiment: error: --horizon = 1.0 is invalid: expected a ")
+    assert not out.exists()
+
+
 def test_experiment_refuses_another_config_or_version(tmp_path, monkeypatch):
     out = tmp_path / "exp"
     assert ex._open_results(small(), out) == {}
