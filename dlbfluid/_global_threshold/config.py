@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import equinox as eqx
 import numpy as np
+
+from .._validate import integer, invalid, number
 
 HOPF = ("subcritical", "supercritical")
 """The values of `hopf` (or `None` when no cycle was found on the ladder)."""
@@ -70,29 +70,22 @@ class WorstCaseSearch(eqx.Module):
 
     def __check_init__(self):
         def bad(name, allowed):
-            return ValueError(
-                f"WorstCaseSearch.{name} = {getattr(self, name)!r} is invalid: expected {allowed}"
-            )
+            return invalid(f"WorstCaseSearch.{name}", getattr(self, name), f"expected {allowed}")
+
+        def real(name, **bounds):
+            return number(f"WorstCaseSearch.{name}", getattr(self, name), lo_open=True, **bounds)
 
         for name, lo in (("starts", 1), ("vertex_starts", 0), ("rungs_below", 1),
                          ("rungs_above", 0), ("ascent_steps", 0), ("seed", 0)):  # fmt: skip
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise bad(name, f"an integer >= {lo}")
+            integer(f"WorstCaseSearch.{name}", getattr(self, name), lo)
         if self.vertex_starts > self.starts:
             raise bad("vertex_starts", f"an integer <= starts = {self.starts}")
-        r = self.ladder_ratio
-        if not (isinstance(r, (int, float)) and 1.0 < r <= 1.05):
-            raise bad("ladder_ratio", "a number in (1, 1.05]")
+        real("ladder_ratio", lo=1, hi=1.05)
         for name in ("horizon", "tick", "workload_scale", "dirichlet", "ascent_horizon",
                      "ascent_rate", "amplitude_tol", "onset_amplitude"):  # fmt: skip
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise bad(name, "a finite number > 0")
-        if not (isinstance(self.decay_ratio, (int, float)) and 0.0 < self.decay_ratio < 1.0):
-            raise bad("decay_ratio", "a number in (0, 1)")
-        if not (isinstance(self.late_window, (int, float)) and 0.0 < self.late_window <= 1.0):
-            raise bad("late_window", "a number in (0, 1]")
+            real(name, lo=0)
+        real("decay_ratio", lo=0, hi=1, hi_open=True)
+        real("late_window", lo=0, hi=1)
         for name in ("horizon", "ascent_horizon"):
             K = getattr(self, name) / self.tick
             if abs(K - round(K)) > 1e-9 * max(K, 1.0) or round(K) < 8:

@@ -29,6 +29,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._results import RESULTS, status_names, view
+from .._validate import integer
 from .linearisation import LoopGain, _flow_policy, loop_gain
 from .nyquist import roots_in_right_half_plane
 
@@ -388,9 +389,7 @@ def batch_critical_step_size(
     n_lin = 8 * n if n_lin is None else n_lin
     if not isinstance(search, BatchSearch):
         raise ValueError(f"search = {search!r} is invalid: expected a BatchSearch")
-    for name, v in (("n_log", n_log), ("n_lin", n_lin)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 8:
-            raise ValueError(f"{name} = {v!r} is invalid: expected an integer >= 8")
+    n_log, n_lin = integer("n_log", n_log, 8), integer("n_lin", n_lin, 8)
     d = loop_gain(scenario, pol.cost, equilibrium, step_weights=step_weights,
                   support_tol=support_tol)  # fmt: skip
     return _critical(d, n_log, n_lin, search)

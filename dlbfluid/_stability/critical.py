@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from .._defaults import STABILITY_NODES as DEFAULT_NODES
 from .._equilibrium import solve_equilibrium
 from .._scenario import Scenario
+from .._validate import number
 from .base import NO_ROOT, AbstractStabilityMethod
 from .linearisation import _flow_policy, linearise
 from .methods import Auto, stability_method
@@ -124,9 +123,7 @@ def step_size_ratio(
     bad `step_size`; `OverloadError` when the demand has no equilibrium within capacity.
     """
     pol = _flow_policy(policy)
-    eta = float(step_size) if isinstance(step_size, (int, float, np.floating)) else math.nan
-    if not (math.isfinite(eta) and eta > 0):
-        raise ValueError(f"step_size = {step_size!r} is invalid: expected a finite number > 0")
+    eta = number("step_size", step_size, lo=0, lo_open=True)
     if equilibrium is None:
         equilibrium = solve_equilibrium(scenario, pol.cost, time=time)
     kw = dict(equilibrium=equilibrium, rtol=1e-6, time=time)

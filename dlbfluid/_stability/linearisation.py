@@ -38,6 +38,7 @@ from .._policies import AbstractPolicy, FlowRouting, policy_from_name
 from .._precision import require_x64
 from .._registry import flow_policy_names
 from .._scenario import Scenario
+from .._validate import number
 
 
 def _flow_names() -> list[str]:
@@ -451,8 +452,7 @@ def linearise(
             f"scenario batch shape {scenario.batch_shape}: the stability analysis takes one "
             "unbatched scenario"
         )
-    if not (isinstance(tau_scale, (int, float)) and math.isfinite(tau_scale) and tau_scale >= 0):
-        raise ValueError(f"tau_scale = {tau_scale!r} is invalid: expected a finite number >= 0")
+    number("tau_scale", tau_scale, lo=0)
     scn = scale_delays(scenario, tau_scale)
     if equilibrium is None:
         equilibrium = solve_equilibrium(scn, pol.cost, time=time)

@@ -20,6 +20,7 @@ import scipy.optimize
 
 from .._defaults import STABILITY_NODES as DEFAULT_NODES
 from .._scenario import Scenario
+from .._validate import integer
 from .base import NO_ROOT, AbstractStabilityMethod
 from .linearisation import Linearisation, _delta, linearise
 from .search import Steps, begin, bracket
@@ -207,9 +208,8 @@ def spectral_abscissa(
 
 
 def check_nodes(nodes) -> int:
-    if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 2:
-        raise ValueError(f"nodes = {nodes!r} is invalid: expected an integer >= 2")
-    return int(nodes)
+    """The pseudospectral nodes, an integer >= 2."""
+    return integer("nodes", nodes, 2)
 
 
 def bisect_eta(spec: Spectrum, eta0: float, rtol: float, steps: Steps):
