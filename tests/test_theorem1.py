@@ -297,7 +297,8 @@ def test_verify_json_contract_and_options(tmp_path, capsys):
 def test_manifest_records_the_new_settings(tmp_path, monkeypatch):
     """Settings that change results are in the manifest when not at their defaults (a
     default run keeps its earlier manifest), and a rerun with another is refused naming
-    the option; nothing is computed (records are faked)."""
+    the field (the Python API; the command line names its option); nothing is computed
+    (records are faked)."""
     import dlbfluid._verify.records
 
     def records(idx, seed, source, pols, chunk, *rest, **kw):
@@ -313,7 +314,7 @@ def test_manifest_records_the_new_settings(tmp_path, monkeypatch):
     config = json.loads((out / "manifest.json").read_text())["config"]
     assert config["ladder"] == "full" and config["tau_scales"] == [1.0, 2.0, 4.0]
     assert config["step_rule"] == "paper" and config["generator"] == "appb"
-    with pytest.raises(ValueError, match=r"ladder \(--ladder\): 'full' -> \(not recorded\)"):
+    with pytest.raises(ValueError, match=r"\(changed: ladder: 'full' -> \(not recorded\)"):
         verify(2, out_dir=out, step_rule="paper", generator="appb", **KW)
     default = tmp_path / "default"
     verify(2, out_dir=default, **KW)
