@@ -520,13 +520,14 @@ def test_experiment_progress_without_a_terminal(tmp_path, monkeypatch, capsys, n
 
     seen = {}
 
-    def fake(cfg, out, *, progress, processes=None):
-        seen["progress"] = progress
+    def fake(cfg, out, *, progress, processes=None, labels=None):
+        seen["progress"], seen["labels"] = progress, labels
         return {"experiment": cfg.experiment, "config": {}, "summary": []}
 
     monkeypatch.setattr(dlbfluid._evaluation.experiment, "run_experiment", fake)
     assert not __import__("sys").stderr.isatty()  # (capsys: not a terminal)
     assert main(EXP + ["--out", str(tmp_path / "e"), "--json"]) == 0
     assert seen["progress"] is True  # Progress writes a line every 10 s to a log
+    assert seen["labels"]["out_dir"] == "--out"  # the command line's own option names
     assert main(EXP + ["--out", str(tmp_path / "e"), "--json", "--no-progress"]) == 0
     assert seen["progress"] is False
