@@ -18,12 +18,16 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # the same in every worker of a run; a run without xdist gets a directory of its own.)
 _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"solo-{os.getpid()}"
 _cache = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dlbfluid-test-cache-{_run}")
+# Every program goes in, however quickly it compiled: a notebook kernel or command-line
+# subprocess compiles hundreds of small ones (one per eager operation and shape, 20-100 ms
+# each) that a test process compiled already, and a worker reloads them after
+# `jax.clear_caches` below; reading one back takes a few milliseconds.
 jax.config.update("jax_compilation_cache_dir", _cache)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # (and by the notebook kernels and command-line subprocesses the tests start)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The command line's own cache settings and kept traced solvers (`dlbfluid._runtime.exported`) stay
 # off in the tests' in-process CLI calls, which use the run's cache above and trace as the

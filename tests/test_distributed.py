@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -163,7 +164,10 @@ def runs(tmp_path_factory):
     (tmp / "driver.py").write_text(DRIVER)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp / "cache"),
+    # (the run's persistent cache of tests/conftest.py, every program: the one-process
+    # stage also loads what the in-process command-line tests compiled)
+    env.update(JAX_PLATFORMS="cpu",
+               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or str(tmp / "cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     one = [{"argv": SIMULATE}, {"argv": VERIFY}, {"argv": EXPERIMENT}]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import dlbfluid as dl
+import dlbfluid._verify.records
 from dlbfluid._cli import main
 from dlbfluid._verify import draw_scenario, random_network, summarise, verify
 
@@ -68,15 +69,33 @@ def test_summary_fractions():
     assert s["policies"]["flow-lat"]["time_average_distance"]["q50"] == pytest.approx(0.25)
 
 
-def test_verify_cli_json(tmp_path, capsys):
-    rc = main(["verify", "--scenarios", "2", "--seed", "7", "--chunk", "2", "--min-cells", "2",
-               "--max-cells", "3", "--horizon", "20", "--tick", "0.1", "--json",
-               "--out", str(tmp_path)])
+def test_verify_cli_json(tmp_path, capsys, monkeypatch):
+    """The --json object of a real run (flow-grad: the shapes and policy of
+    test_resume_after_kill_loses_and_duplicates_nothing, whose compiled chunk it reuses),
+    then the policies a run without --policy computes (records faked, as in
+    tests/test_resume.py: nothing compiles): the three flow policies."""
+    argv = ["verify", "--scenarios", "2", "--seed", "7", "--chunk", "2", "--min-cells", "2",
+            "--max-cells", "3", "--horizon", "20", "--tick", "0.1", "--json"]
+    rc = main(argv + ["--policy", "flow-grad", "--out", str(tmp_path / "real")])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert set(res) == {"summary", "scenarios"}
     assert res["summary"]["scenarios"] == 2
-    assert set(res["summary"]["policies"]) == {"flow-rif", "flow-lat", "flow-grad"}
-    rec = res["scenarios"][0]["policies"]["flow-lat"]
+    assert set(res["summary"]["policies"]) == {"flow-grad"}
+    rec = res["scenarios"][0]["policies"]["flow-grad"]
     for key in ("converged", "time_average_distance", "final_distance", "eta_over_eta_star"):
         assert key in rec
+    assert rec["eta_over_eta_star"] == pytest.approx(0.3, rel=1e-12)
+
+    def records(idx, seed, source, pols, *rest, **kw):
+        return [{"index": i, "n_cells": 2, "utilisation": 0.5,
+                 "policies": {p: {"converged": True, "status": "success",
+                                  "time_average_distance": 0.1, "final_distance": 0.1,
+                                  "eta_over_eta_star": 0.3} for p, _ in pols}}
+                for i in idx]  # fmt: skip
+
+    monkeypatch.setattr(dlbfluid._verify.records, "_chunk_records", records)
+    assert main(argv + ["--out", str(tmp_path / "default")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["summary"]["policies"]) == {"flow-rif", "flow-lat", "flow-grad"}
+    assert set(res["scenarios"][0]["policies"]) == {"flow-rif", "flow-lat", "flow-grad"}
