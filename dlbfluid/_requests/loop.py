@@ -31,7 +31,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from .._policies import AbstractPolicy, Observation, TickSetup
 from .._policies.base import replica_fractions
@@ -75,13 +75,15 @@ class LoopState(eqx.Module):
     `(E, 5)` the current tick's block of uniforms, one row per event, `used` rows so far.
     **Cells:** `cells`, the cell kind's state (`AbstractCells`).
     **Network:** `fifo` `(n, n, F)` arrival times at the root of the requests in flight on
-    each arc, a ring from `head` `(n, n)` of length `size` `(n, n)`; `front` `(n, n)` the
-    arrival time of each ring's head (a copy, so that an event reads no ring to find the
-    next delivery).
-    **Routers:** `x` `(n, n)` the routing in force; `policy_state`; `obs_ring`
-    `(hist, n, n)` probed counts$/k$ by the update index they serve; `pending` `(n, n)`
-    the current tick's probes, `taken` which of them are taken (each arc probes once a
-    tick; they enter the ring at the tick's end); `tick_arrivals`, `tick_drops` `(n,)` the
+    each arc, a ring from `head` `(n, n)` of length `size` `(n, n)`; `due` `(n, n)` the
+    delivery time of each ring's head, its arrival at the root plus $\\tau_{ij}$ ($+\\infty$
+    for an empty ring; a copy, so that an event reads no ring to find the next delivery).
+    **Routers:** `x` `(n, n)` the routing in force, `xc` its cumulative sums over the
+    allowed arcs (`_cum_routing`); `policy_state`; `obs_ring` `(hist, n, n)` probed
+    counts$/k$ by the update index they serve; `probes` `(n, n)` the current tick's probes
+    indexed `[cell, router]`, `last` `(n,)` the local time up to which each cell's probes
+    are taken (each arc probes once a tick, `_probe`; they enter the ring at the tick's
+    end); `tick_arrivals`, `tick_drops` `(n,)` the
     current tick's admissions and rejections per cell (divided by $k$ they are the
     fluid's `Observation.arrivals`/`drops`, read by error aversion).
     **Outputs:** `stats` (`Stats`), `overflow` (bits `OVERFLOW_CELLS | OVERFLOW_ARCS`),
@@ -97,12 +99,13 @@ class LoopState(eqx.Module):
     fifo: Float[Array, "n n F"]
     head: Int[Array, "n n"]
     size: Int[Array, "n n"]
-    front: Float[Array, "n n"]
+    due: Float[Array, "n n"]
     x: Float[Array, "n n"]
+    xc: Float[Array, "n n"]
     policy_state: object
     obs_ring: Float[Array, "hist n n"]
-    pending: Float[Array, "n n"]
-    taken: Bool[Array, "n n"]
+    probes: Float[Array, "n n"]
+    last: Float[Array, " n"]
     tick_arrivals: Int[Array, " n"]
     tick_drops: Int[Array, " n"]
     stats: Stats
@@ -116,7 +119,8 @@ class Trial(eqx.Module):
 
     **Fields:** `scn` the scenario; `setup` the routers' `TickSetup` (delays, ticks, steps);
     `aux` the policy's precomputed arrays; `policy`; `cells` the cell kind; `scale` $k$;
-    `lam_max` `(n,)` each profile's maximum rate; `buffer` `(n,)` the cells' buffers at
+    `lam_max` `(n,)` each profile's maximum rate, `lam_cum` `(n,)` the cumulative sums of
+    $k\\bar\\lambda_i$ (the arrival candidates' inverse CDF); `buffer` `(n,)` the cells' buffers at
     scale $k$, $\\lfloor kB_j\\rfloor$ requests ($+\\infty$ for none); `warmup` $t_w$;
     `arc_slots` (static) $F$; `events` (static) $E$, the events a tick may hold (rows of
     its block of uniforms); `histogram` the latency bins.
@@ -130,6 +134,7 @@ class Trial(eqx.Module):
     cells: AbstractCells
     scale: Float[Array, ""]
     lam_max: Float[Array, " n"]
+    lam_cum: Float[Array, " n"]
     buffer: Float[Array, " n"]
     warmup: Float[Array, ""]
     arc_slots: int = eqx.field(static=True)
@@ -169,13 +174,14 @@ def init_state(tr: Trial, key) -> LoopState:
         fifo=jnp.zeros((n, n, tr.arc_slots), dtype),
         head=jnp.zeros((n, n), jnp.int32),
         size=jnp.zeros((n, n), jnp.int32),
-        front=jnp.full((n, n), jnp.inf, dtype),
+        due=jnp.full((n, n), jnp.inf, dtype),
         x=x0,
+        xc=_cum_routing(scn, x0),
         policy_state=tr.policy.init_state(scn, setup, tr.aux, x0),
         # Tick k's probe of arc (i, j) serves update k + m_ij + 1: updates 1..m_ij see N(0).
         obs_ring=jnp.broadcast_to(seen[None, None, :], (setup.hist, n, n)),
-        pending=jnp.zeros((n, n), dtype),
-        taken=jnp.zeros((n, n), bool),
+        probes=jnp.zeros((n, n), dtype),
+        last=jnp.full(n, -1.0, dtype),
         tick_arrivals=zi,
         tick_drops=zi,
         stats=stats,
@@ -185,14 +191,144 @@ def init_state(tr: Trial, key) -> LoopState:
     )
 
 
-def _probe(tr: Trial, st: LoopState, local, at_end):
-    """Take the probes of the current tick due by its local time `local` from the current
-    counts: arc $(i,j)$ probes once a tick, at offset $h - r_{ij}$ (`TickSetup.offsets`;
-    the probe serves the update $m_{ij} + 1$ ticks later), or at the tick's end
-    (`at_end`). Elementwise over the arcs: no scatter."""
-    due = ~st.taken & ((local >= tr.setup.offsets) | at_end)
-    seen = tr.cells.count(st.cells).astype(st.x.dtype) / tr.scale
-    return jnp.where(due, seen[None, :], st.pending), st.taken | due
+def _cum_routing(scn: Scenario, x):
+    """`(n, n)` each router's cumulative routing over the allowed arcs (its inverse CDF is
+    the destination of a request): fixed between two updates, so computed once a tick."""
+    return jnp.cumsum(jnp.where(scn.allowed, jnp.maximum(x, 0.0), 0.0), axis=-1)
+
+
+def _first_min(v):
+    """`(min, index)` of the first minimum of a flat array: two plain reductions, which
+    vectorise (a variadic `argmin` reduction does not, and it cost a third of an event)."""
+    m = jnp.min(v)
+    return m, jnp.min(jnp.where(v == m, jnp.arange(v.shape[0]), v.shape[0] - 1))
+
+
+class _When(eqx.Module):
+    """The next event of a trial (`_when`): its time `t`, `stop` at the tick's end, its
+    kind (`is_del` a delivery, `is_int` a cell's internal event, `is_arr` an arrival
+    candidate, `is_cmp` a random completion), the root `i`, completing cell `j_out`,
+    and the arc `(i_d, j_d)` whose head is delivered."""
+
+    t: Array
+    stop: Array
+    is_del: Array
+    is_int: Array
+    is_arr: Array
+    is_cmp: Array
+    i: Array
+    j_out: Array
+    i_d: Array
+    j_d: Array
+
+
+def _when(tr: Trial, st: LoopState, u, t_end) -> _When:
+    """Competing exponentials against the deterministic events (module docstring)."""
+    n = tr.scn.n_cells
+    comp = tr.cells.rates(st.cells)
+    lam_total = tr.lam_cum[-1]
+    total = lam_total + jnp.sum(comp)
+    gap = -jnp.log1p(-u[0]) / total
+    t_rand = jnp.where(total > 0, st.t + gap, jnp.inf)
+    t_del, a = _first_min(st.due.reshape(-1))
+    # A cell's deterministic internal event (App.-B servers; +inf for the other kinds).
+    t_cell, jn = _first_min(tr.cells.next_time(st.cells))
+    t_ev = jnp.minimum(jnp.minimum(t_rand, t_del), t_cell)
+    stop = t_ev >= t_end
+    is_del = ~stop & (t_del <= t_rand) & (t_del <= t_cell)
+    is_int = ~stop & ~is_del & (t_cell <= t_rand)
+    is_rnd = ~stop & ~is_del & ~is_int
+    # The candidate's kind: the inverse CDF of the rates (k lam_max, then completions) at
+    # u[1] total; the cumulative completion rates by a product with a triangular matrix.
+    v = u[1] * total
+    is_arr = is_rnd & (v < lam_total)
+    cum = comp @ jnp.triu(jnp.ones((n, n), comp.dtype))
+    jc = jnp.minimum(jnp.sum(cum <= v - lam_total), n - 1)
+    return _When(
+        t=jnp.where(stop, t_end, t_ev),
+        stop=stop,
+        is_del=is_del,
+        is_int=is_int,
+        is_arr=is_arr,
+        is_cmp=is_rnd & ~is_arr,
+        i=jnp.minimum(jnp.sum(tr.lam_cum <= v), n - 1),
+        j_out=jnp.where(is_int, jn, jc),
+        i_d=a // n,
+        j_d=a % n,
+    )
+
+
+def _arrival(tr: Trial, st: LoopState, ev: _When, u):
+    """`(accept, ja)`: an arrival candidate at root `i` kept with probability
+    $\\lambda_i(t)/\\bar\\lambda_i$ (thinning), routed to `ja` by the inverse CDF of $x_i$."""
+    scn, n, i = tr.scn, tr.scn.n_cells, ev.i
+    lam_i = rate_at(scn.arrival_times[i], scn.arrival_rates[i], ev.t)
+    accept = ev.is_arr & (u[2] * tr.lam_max[i] < lam_i)
+    cx = st.xc[i]
+    ja = jnp.minimum(jnp.sum(cx <= u[3] * cx[-1]), n - 1)
+    return accept, ja
+
+
+def _network(tr: Trial, st: LoopState, ev: _When, i, ja, push):
+    """`(fifo, head, size, due, arc_full)`: push a request routed at `ev.t` on arc
+    `(i, ja)`, or pop the head of arc `(i_d, j_d)` for a delivery (an event does one or
+    neither). Every write is a one-element scatter (an index past the array drops it);
+    the ring's one read, the next head, comes after the push so that the writes stay in
+    place."""
+    n, F = tr.scn.n_cells, tr.arc_slots
+    slot_len = st.size[i, ja]
+    arc_full = push & (slot_len >= F)
+    do_push = push & ~arc_full
+    slot = jnp.where(do_push, (st.head[i, ja] + slot_len) % F, F)  # past the ring: dropped
+    fifo = st.fifo.at[i, ja, slot].set(ev.t, mode="drop")
+    i_d, j_d = ev.i_d, ev.j_d
+    nxt = (st.head[i_d, j_d] + 1) % F
+    following = fifo[i_d, j_d, nxt]
+    # The one arc this event changes (the push's or the pop's).
+    ii = jnp.where(do_push, i, jnp.where(ev.is_del, i_d, n))  # n: no arc, dropped
+    jj = jnp.where(do_push, ja, j_d)
+    delta = do_push.astype(jnp.int32) - ev.is_del.astype(jnp.int32)
+    size = st.size.at[ii, jj].add(delta, mode="drop")
+    head = st.head.at[jnp.where(ev.is_del, i_d, n), j_d].set(nxt, mode="drop")
+    left = st.size[i_d, j_d] - 1
+    tau = tr.setup.tau[jnp.minimum(ii, n - 1), jj]
+    new_due = jnp.where(do_push, ev.t, jnp.where(left > 0, following, jnp.inf)) + tau
+    write = (do_push & (slot_len == 0)) | ev.is_del
+    due = st.due.at[jnp.where(write, ii, n), jj].set(new_due, mode="drop")
+    return fifo, head, size, due, arc_full
+
+
+def _probe(tr: Trial, st: LoopState, c, count_c, local, ok):
+    """Take the probes of cell `c` due by the tick's local time `local`, from its count
+    `count_c` before the event: arc $(i, c)$ probes once a tick at offset $h - r_{ic}$
+    (`TickSetup.offsets`; it serves the update $m_{ic} + 1$ ticks later). A cell's count
+    is constant between the events that touch it, so its probes are taken only there,
+    $O(n)$ per event (those left at the tick's end by `_update`): every probe at an offset
+    in `(last[c], local]` reads `count_c`. `probes` is `(n, n)` indexed `[cell, router]`."""
+    offsets = tr.setup.offsets[:, c]
+    take = ok & (offsets > st.last[c]) & (offsets <= local)
+    row = jnp.where(take, count_c.astype(st.probes.dtype) / tr.scale, st.probes[c])
+    probes = st.probes.at[c].set(row)
+    last = st.last.at[c].set(jnp.where(ok, local, st.last[c]))
+    return probes, last
+
+
+def _stats(tr: Trial, st: LoopState, ev: _When, count, dt, latency, left, accept, lost):
+    """The statistics after the event (`Stats`): integrals over `dt` before it, the
+    served request's latency, the arrival and the rejection."""
+    n, dtype, s = tr.scn.n_cells, st.x.dtype, st.stats
+    win = ev.t >= tr.warmup
+    served = left & win
+    return Stats(
+        served=s.served + served.astype(jnp.int32),
+        latency_sum=s.latency_sum + jnp.where(served, latency, 0.0),
+        latency_sq=s.latency_sq + jnp.where(served, latency * latency, 0.0),
+        histogram=s.histogram.at[tr.histogram.index(latency)].add(served.astype(jnp.int32)),
+        arrivals=s.arrivals + (_onehot(ev.i, n) & accept & win).astype(jnp.int32),
+        drops=s.drops + (lost & win).astype(jnp.int32),
+        area=s.area + count.astype(dtype) * dt,
+        busy=s.busy + tr.cells.utilisation(st.cells) * dt,
+    )
 
 
 def _onehot(j, n: int):
@@ -200,137 +336,63 @@ def _onehot(j, n: int):
 
 
 def _event(tr: Trial, k, t_end, st: LoopState):
-    """One event of tick `k` (or the tick's end, then `running` is False)."""
-    scn, setup = tr.scn, tr.setup
-    n, F = scn.n_cells, tr.arc_slots
-    dtype = st.x.dtype
+    """One event of tick `k` (or the tick's end, then `running` is False): when and what
+    (`_when`), the arrival's thinning and routing (`_arrival`), the cells' completion and
+    admission (`AbstractCells`), the arcs (`_network`), the probes (`_probe`), the
+    statistics (`_stats`)."""
+    n, setup = tr.scn.n_cells, tr.setup
     u = st.uniforms[jnp.minimum(st.used, tr.events - 1)]
-
-    lam = tr.scale * tr.lam_max
-    comp = tr.cells.rates(st.cells)
-    w = jnp.concatenate([lam, comp])
-    cw = jnp.cumsum(w)
-    total = cw[-1]
-    gap = -jnp.log1p(-u[0]) / total
-    t_rand = jnp.where(total > 0, st.t + gap, jnp.inf)
-
-    due = jnp.where(st.size > 0, st.front + setup.tau, jnp.inf)
-    a = jnp.argmin(due.reshape(-1))
-    t_del = due.reshape(-1)[a]
-    # A cell's deterministic internal event (App.-B servers; +inf for the other kinds).
-    nxt = tr.cells.next_time(st.cells)
-    jn = jnp.argmin(nxt)
-    t_cell = nxt[jn]
-
-    t_ev = jnp.minimum(jnp.minimum(t_rand, t_del), t_cell)
-    stop = t_ev >= t_end
-    t_new = jnp.where(stop, t_end, t_ev)
-
+    ev = _when(tr, st, u, t_end)
     # Integrals over [t, t_new] (the part inside the statistics window), before the event.
-    dt = jnp.maximum(t_new - jnp.maximum(st.t, tr.warmup), 0.0)
+    dt = jnp.maximum(ev.t - jnp.maximum(st.t, tr.warmup), 0.0)
     count = tr.cells.count(st.cells)
-    stats = st.stats
-    area = stats.area + count.astype(dtype) * dt
-    busy = stats.busy + tr.cells.utilisation(st.cells) * dt
-    pending, taken = _probe(tr, st, t_new - k * setup.h, stop)
 
-    is_del = ~stop & (t_del <= t_rand) & (t_del <= t_cell)
-    is_int = ~stop & ~is_del & (t_cell <= t_rand)
-    is_rnd = ~stop & ~is_del & ~is_int
-    pick = jnp.minimum(
-        jnp.searchsorted(cw, u[1] * total, side="right", method="compare_all"), 2 * n - 1
-    )
-    is_arr = is_rnd & (pick < n)
-    is_cmp = is_rnd & (pick >= n)
-    i = jnp.clip(pick, 0, n - 1)
-    jc = jnp.clip(pick - n, 0, n - 1)
-
-    # An arrival at root i: thinned to rate k lambda_i(t), routed by x_i.
-    lam_i = rate_at(scn.arrival_times[i], scn.arrival_rates[i], t_new)
-    accept = is_arr & (u[2] * tr.lam_max[i] < lam_i)
-    xi = st.x[i]
-    cx = jnp.cumsum(jnp.where(scn.allowed[i], jnp.maximum(xi, 0.0), 0.0))
-    ja = jnp.clip(jnp.searchsorted(cx, u[3] * cx[-1], side="right", method="compare_all"), 0, n - 1)
-    tau_a = setup.tau[i, ja]
+    accept, ja = _arrival(tr, st, ev, u)
+    tau_a = setup.tau[ev.i, ja]
     direct = accept & (tau_a <= 0)
-    push = accept & (tau_a > 0)
-
-    # A delivery: the head of arc (id, jd) reaches its cell.
-    i_d, j_d = a // n, a % n
-    born = st.front.reshape(-1)[a]
-
-    admit = direct | is_del
-    j_in = jnp.where(is_del, j_d, ja)
-    origin = jnp.where(is_del, born - setup.tau[i_d, j_d], t_new)
-    reject = admit & (count[j_in].astype(dtype) >= st.buffer[j_in])
+    admit = direct | ev.is_del
+    j_in = jnp.where(ev.is_del, ev.j_d, ja)
+    # The head's origin: its arrival at the root (due - tau) less tau.
+    origin = jnp.where(ev.is_del, st.due[ev.i_d, ev.j_d] - 2 * setup.tau[ev.i_d, ev.j_d], ev.t)
+    reject = admit & (count[j_in].astype(st.x.dtype) >= st.buffer[j_in])
     # An event admits or completes, never both; completing first lets every read of the
     # cells' arrays come before any write, so that the writes stay in place in the loop.
-    j_out = jnp.where(is_int, jn, jc)
-    cells, leaving, left = tr.cells.complete(st.cells, j_out, u[4], t_new, is_cmp | is_int)
-    cells, over_cell = tr.cells.admit(cells, j_in, origin, t_new, admit & ~reject)
-    latency = t_new - leaving
-
-    slot_len = st.size[i, ja]
-    arc_full = push & (slot_len >= F)
-    do_push = push & ~arc_full
-    slot = jnp.where(do_push, (st.head[i, ja] + slot_len) % F, F)  # past the ring: dropped
-    fifo = st.fifo.at[i, ja, slot].set(t_new, mode="drop")
-    # A delivery pops its ring and reads the next head's arrival time, the one read of the
-    # rings, after the push (an event pushes or pops, never both), so that the write
-    # comes first and stays in place.
-    nxt = (st.head[i_d, j_d] + 1) % F
-    following = fifo[i_d, j_d, nxt]
-    at_push = _onehot(i, n)[:, None] & _onehot(ja, n)[None, :] & do_push
-    at_pop = _onehot(i_d, n)[:, None] & _onehot(j_d, n)[None, :] & is_del
-    size = st.size + at_push.astype(jnp.int32) - at_pop.astype(jnp.int32)
-    head = jnp.where(at_pop, nxt, st.head)
-    front = jnp.where(at_push & (st.size == 0), t_new, st.front)
-    front = jnp.where(at_pop, jnp.where(size > 0, following, jnp.inf), front)
+    do_cmp = ev.is_cmp | ev.is_int
+    cells, leaving, left = tr.cells.complete(st.cells, ev.j_out, u[4], ev.t, do_cmp)
+    cells, over_cell = tr.cells.admit(cells, j_in, origin, ev.t, admit & ~reject)
+    fifo, head, size, due, arc_full = _network(tr, st, ev, ev.i, ja, accept & (tau_a > 0))
+    c = jnp.where(admit, j_in, ev.j_out)
+    probes, last = _probe(tr, st, c, count[c], ev.t - k * setup.h, ~ev.stop)
 
     lost = reject | over_cell
-    win = t_new >= tr.warmup
-    served = left & win
-    bin_ = tr.histogram.index(latency)
-    stats = Stats(
-        served=stats.served + served.astype(jnp.int32),
-        latency_sum=stats.latency_sum + jnp.where(served, latency, 0.0),
-        latency_sq=stats.latency_sq + jnp.where(served, latency * latency, 0.0),
-        histogram=stats.histogram.at[bin_].add(served.astype(jnp.int32)),
-        arrivals=stats.arrivals + (_onehot(i, n) & accept & win).astype(jnp.int32),
-        drops=stats.drops + (_onehot(j_in, n) & (lost | arc_full) & win).astype(jnp.int32),
-        area=area,
-        busy=busy,
-    )
-    exhausted = ~stop & (st.used >= tr.events)
+    into = _onehot(j_in, n)
+    stats = _stats(tr, st, ev, count, dt, ev.t - leaving, left, accept, into & (lost | arc_full))
+    exhausted = ~ev.stop & (st.used >= tr.events)
     overflow = (
         st.overflow
         | jnp.where(exhausted, OVERFLOW_EVENTS, 0).astype(jnp.int32)
         | jnp.where(over_cell, OVERFLOW_CELLS, 0).astype(jnp.int32)
         | jnp.where(arc_full, OVERFLOW_ARCS, 0).astype(jnp.int32)
     )
-    new = LoopState(
-        t=t_new,
-        key=st.key,
-        uniforms=st.uniforms,
-        used=st.used + (~stop).astype(jnp.int32),
+    step = (~ev.stop).astype(jnp.int32)
+    new = dataclasses.replace(
+        st,
+        t=ev.t,
+        used=st.used + step,
         cells=cells,
         fifo=fifo,
-        front=front,
+        due=due,
         head=head,
         size=size,
-        x=st.x,
-        policy_state=st.policy_state,
-        obs_ring=st.obs_ring,
-        pending=pending,
-        taken=taken,
-        tick_arrivals=st.tick_arrivals + (_onehot(j_in, n) & admit).astype(jnp.int32),
-        tick_drops=st.tick_drops + (_onehot(j_in, n) & lost).astype(jnp.int32),
+        probes=probes,
+        last=last,
+        tick_arrivals=st.tick_arrivals + (into & admit).astype(jnp.int32),
+        tick_drops=st.tick_drops + (into & lost).astype(jnp.int32),
         stats=stats,
         overflow=overflow,
-        events=st.events + (~stop).astype(jnp.int32),
-        buffer=st.buffer,
+        events=st.events + step,
     )
-    return new, ~stop
+    return new, ~ev.stop
 
 
 def run_tick(tr: Trial, k, st: LoopState, running):
@@ -398,7 +460,10 @@ def _update(tr: Trial, k, t_end, st: LoopState) -> LoopState:
     n = tr.scn.n_cells
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
     cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
-    ring = st.obs_ring.at[(k + setup.m + 1) & (setup.hist - 1), rows, cols].set(st.pending)
+    # The probes not taken inside the tick (`_probe`) read the counts at its end.
+    seen = tr.cells.count(st.cells).astype(dtype) / tr.scale
+    probes = jnp.where(setup.offsets.T > st.last[:, None], seen[:, None], st.probes)
+    ring = st.obs_ring.at[(k + setup.m + 1) & (setup.hist - 1), rows, cols].set(probes.T)
     obs = Observation(
         k=k,
         t=t_end,
@@ -418,9 +483,10 @@ def _update(tr: Trial, k, t_end, st: LoopState) -> LoopState:
     return dataclasses.replace(
         st,
         x=x.astype(dtype),
+        xc=_cum_routing(tr.scn, x.astype(dtype)),
         policy_state=pstate,
         obs_ring=ring,
-        taken=jnp.zeros_like(st.taken),
+        last=jnp.full_like(st.last, -1.0),
         tick_arrivals=zi,
         tick_drops=zi,
     )

@@ -68,6 +68,7 @@ def _trial(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> Trial:
     h = jnp.asarray(cfg.tick, dtype)
     mask = scn.cell_mask
     buffer = jnp.where(jnp.isfinite(scn.buffer), jnp.floor(scale * scn.buffer), jnp.inf)
+    lam_max = jnp.where(mask, jnp.max(scn.arrival_rates, axis=-1), 0.0)
     cells: MarkovCells | FifoServers | PrefillDecodeCells
     if cfg.service == "markov":
         cells = MarkovCells(scn.service, scale, cfg.slots)
@@ -88,7 +89,8 @@ def _trial(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> Trial:
         policy=policy,
         cells=cells,
         scale=scale,
-        lam_max=jnp.where(mask, jnp.max(scn.arrival_rates, axis=-1), 0.0),
+        lam_max=lam_max,
+        lam_cum=jnp.cumsum(scale * lam_max),
         buffer=buffer.astype(dtype),
         warmup=jnp.asarray(cfg.warmup, dtype),
         arc_slots=cfg.arc_slots,
