@@ -102,3 +102,138 @@ def test_readme_table_quotes_the_recordings():
         assert best == [min(POLICIES[1:], key=lambda p: recorded[kind][(variant, p)]
                             ["normalized_latency"])], cells[0]  # fmt: skip
     assert seen == set(KINDS)
+
+
+# ----------------------------------------------------------------------------------------
+# The request-level twin's evaluation (issue 32): notebooks/results/requests_KIND/
+# ----------------------------------------------------------------------------------------
+
+REQUEST_KINDS = ("baseline",)
+"""The kinds recorded at request level (`dlbfluid experiment KIND --model requests
+--service servers`), each in `notebooks/results/requests_KIND/` with `record.json` (the
+commit and wall time of the run)."""
+
+
+def _request_record(kind):
+    import csv
+
+    d = RESULTS / f"requests_{kind}"
+    assert (d / "summary.json").is_file(), f"{kind} is not recorded at request level in {d}"
+    summary = json.loads((d / "summary.json").read_text())
+    with open(d / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return summary, rows, json.loads((d / "record.json").read_text())
+
+
+def _request_problems(kind, summary, rows):
+    """What is wrong with a request-level record: an empty list for a consistent one."""
+    from dlbfluid._evaluation.experiment import summarise
+
+    bad = []
+    c = summary["config"]
+    if (c["experiment"], c["model"], c["service"]) != (kind, "requests", "servers"):
+        bad.append(f"config {c['experiment']}, {c['model']}, {c['service']}")
+    if (c["tick"], c["step_rule"], tuple(c["policies"])) != (PROBE_TICK, "paper", POLICIES):
+        bad.append("not the paper's tick, step rule and policies")
+    want = {(v, p) for v, _ in variants(kind) for p in POLICIES}
+    runs = c["scenarios"] * c["trials"]
+    if len(rows) != len(want) * runs or {(r["variant"], r["policy"]) for r in rows} != want:
+        bad.append(f"{len(rows)} rows, expected {len(want)} x {runs}")
+    for r in rows:
+        if r["status"] != "success" or r["fluid_status"] != "success":
+            bad.append(f"status {r['status']}/{r['fluid_status']} in {r['variant']} {r['policy']}")
+        # latency is right-skewed: the p90 lies above the mean (a swapped column fails)
+        if not 0 < float(r["mean_latency"]) < float(r["p90_latency"]) < 100:
+            bad.append(f"mean {r['mean_latency']}, p90 {r['p90_latency']} in {r['policy']}")
+        if not 0 <= float(r["error_rate"]) < 1:
+            bad.append(f"error rate {r['error_rate']}")
+    # the request-level and fluid columns are different models, not copies
+    if all(r["mean_latency"] == r["fluid_mean_latency"] for r in rows):
+        bad.append("request-level mean latencies equal the fluid ones")
+    recomputed = {(s["variant"], s["policy"]): s for s in summarise(rows, POLICIES, "requests")}
+    for s in summary["summary"]:
+        if s["runs"] != runs or s["failed"] != 0:
+            bad.append(f"{s['variant']} {s['policy']}: {s['runs']} runs, {s['failed']} failed")
+        mine = recomputed[(s["variant"], s["policy"])]
+        for key in ("normalized_latency", "p90", "error_rate", "fluid_normalized_latency"):
+            if mine[key] != pytest.approx(s[key], rel=1e-9, abs=1e-15):
+                bad.append(f"{s['variant']} {s['policy']} {key}: {s[key]} vs rows {mine[key]}")
+    if {(s["variant"], s["policy"]) for s in summary["summary"]} != want:
+        bad.append("summary rows differ from the variants x policies")
+    return bad
+
+
+@pytest.mark.parametrize("kind", REQUEST_KINDS)
+def test_request_level_record_is_consistent(kind):
+    summary, rows, record = _request_record(kind)
+    assert len(record["commit"]) >= 7 and record["rc"] == 0 and record["wall_s"] > 0
+    assert _request_problems(kind, summary, rows) == []
+    for s in summary["summary"]:
+        if s["policy"] == "rand":
+            assert s["normalized_latency"] == s["p90"] == s["fluid_normalized_latency"] == 1.0
+
+
+def test_request_level_consistency_check_fails_on_a_wrong_record():
+    """Negative controls: swapped mean and p90 columns, a failed run, an edited summary."""
+    summary, rows, _ = _request_record("baseline")
+    swapped = [dict(r, mean_latency=r["p90_latency"], p90_latency=r["mean_latency"]) for r in rows]
+    assert any("p90" in b for b in _request_problems("baseline", summary, swapped))
+    failed = [dict(rows[0], status="solver_failed"), *rows[1:]]
+    assert any("status" in b for b in _request_problems("baseline", summary, failed))
+    edited = json.loads(json.dumps(summary))
+    edited["summary"][-1]["normalized_latency"] *= 1.01
+    assert any("normalized_latency" in b for b in _request_problems("baseline", edited, rows))
+    fluid_copy = [dict(r, mean_latency=r["fluid_mean_latency"]) for r in rows]
+    assert any("fluid" in b for b in _request_problems("baseline", summary, fluid_copy))
+
+
+def _request_row_key(label):
+    """('baseline', 'baseline', 'requests') of 'baseline (10 x 1, 60 s), requests';
+    ('utilization', 'u=0.5', 'fluid') of 'utilisation u = 0.5, fluid'."""
+    m = re.fullmatch(r"(baseline|burst|outage|utilisation u = ([\d.]+))(?: \(.*\))?, "
+                     r"(requests|fluid)", label.strip())  # fmt: skip
+    assert m, f"unreadable request-level row label {label!r}"
+    if m[2] is not None:
+        return "utilization", f"u={m[2]}", m[3]
+    return m[1], m[1], m[3]
+
+
+def test_readme_request_level_table_quotes_the_records():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## The paper's evaluation at request level: recorded results")[1]
+    table = section.split("\n| experiment")[1].split("\n\n")[0]  # the first table only
+    lines = ["| experiment" + table.splitlines()[0]] + table.splitlines()[1:]
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    assert tuple(header[1:]) == POLICIES
+    recorded = {k: {(s["variant"], s["policy"]): s for s in _request_record(k)[0]["summary"]}
+                for k in REQUEST_KINDS}  # fmt: skip
+    seen = set()
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if set(cells[0]) <= {"-"}:
+            continue
+        kind, variant, model = _request_row_key(cells[0])
+        seen.add((kind, variant, model))
+        for p, cell in zip(POLICIES, cells[1:], strict=True):
+            r = recorded[kind][(variant, p)]
+            if model == "requests":
+                m = re.fullmatch(r"\*{0,2}([\d.]+)\*{0,2} / ([\d.]+)(?: \(([\d.]+)%\))?", cell)
+                assert m, f"unreadable cell {cell!r}"
+                lat, p90, err = float(m[1]), float(m[2]), m[3]
+                assert p90 == pytest.approx(r["p90"], abs=5e-4), (cells[0], p)
+                rate = r["error_rate"]
+            else:
+                lat, err = _cell(cell)
+                err = None if err is None else str(err * 100)
+                rate = r["fluid_error_rate"]
+            key = "normalized_latency" if model == "requests" else "fluid_normalized_latency"
+            assert lat == pytest.approx(r[key], abs=5e-4), (cells[0], p)
+            if err is None:
+                assert rate < 5e-5, (cells[0], p)
+            else:
+                assert float(err) / 100 == pytest.approx(rate, rel=0.05), (cells[0], p)
+        key = "normalized_latency" if model == "requests" else "fluid_normalized_latency"
+        best = [p for p, c in zip(POLICIES, cells[1:], strict=True) if c.startswith("**")]
+        assert best == [min(POLICIES[1:], key=lambda p: recorded[kind][(variant, p)][key])]
+    want = {(k, v, m) for k in REQUEST_KINDS for v, _ in variants(k) for m in ("requests", "fluid")}
+    assert seen == want
