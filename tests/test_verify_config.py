@@ -35,7 +35,7 @@ def test_keywords_replace_the_config_and_unknown_ones_are_refused():
     assert base.tau_scales == (1.0, 2.0)  # 1 is always included
     cfg = _config(base, {"horizon": 100.0, "policies": ["flow-grad"]})
     assert cfg == dataclasses.replace(base, horizon=100.0, policies=("flow-grad",))
-    assert cfg.ticks == 2000 and cfg.step_base == "eta0"
+    assert cfg.ticks == 20000 and cfg.step_base == "eta0"  # 100 s at the 5 ms default tick
     assert _config(None, {}) == dl.VerifyConfig()
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['horizn'\]"):
         dl.verify(1, horizn=10.0)

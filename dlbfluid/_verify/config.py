@@ -8,7 +8,7 @@ import hashlib
 import json
 import math
 
-from .._defaults import STEP_BASES, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
+from .._defaults import PROBE_TICK, STEP_BASES, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
 from .._evaluation.config import STEP_RULE_KAPPA
 from .._global_threshold import WorstCaseSearch
 from .._policies import FlowRouting, policy_from_name
@@ -39,7 +39,8 @@ class VerifyConfig:
 
     **Fields:**
     - `n_cells`: `(fewest, most)` cells of the random networks.
-    - `horizon`, `tick`: simulated seconds (a whole number of ticks) and the probe tick.
+    - `horizon`, `tick`: simulated seconds (a whole number of ticks) and the probe tick
+      (the paper's 5 ms, `PROBE_TICK`, as on the command line).
     - `step_fraction`, `step_base`: the oracle step is `step_fraction` times `step_base`'s
       threshold (`"eta-star"`, the linear critical step; `"eta0"`, the proof's, so that a
       fraction $\\le 1$ runs inside Theorem 1's hypothesis).
@@ -60,7 +61,7 @@ class VerifyConfig:
 
     n_cells: tuple[int, int] = (2, 6)
     horizon: float = 200.0
-    tick: float = 0.05
+    tick: float = PROBE_TICK
     step_fraction: float = 0.3
     conv_tol: float = 1e-3
     nodes: int = 8
