@@ -11,16 +11,22 @@ For every (batch, dtype) it reports
 * `compile_s`: the seconds the first call spent tracing, lowering and compiling (the
   union of the `/jax/core/compile/` time spans `jax.monitoring` reports during it, which
   run-time noise does not touch); `first_call_s` is that call's wall time;
-* `wall_s`: the best of `--repeats` steady calls, each ended by `jax.block_until_ready`;
+* `wall_s`: the best of `--repeats` steady calls, each ended by `jax.block_until_ready`,
+  and `cpu_s` the process's CPU seconds in that call (all threads);
 * `requests_per_s`: requests that arrived at the root routers in all scenarios of the
   batch, per second of `wall_s`; `events_per_s` likewise for loop events;
+  `requests_per_cpu_s` per CPU second (less sensitive to other jobs on the machine);
 * `statuses`: the scenarios' status names and their counts.
 
 The peer (`simpy_scenario`) is the same model written as an event-driven simpy program,
 scenario by scenario in this process: Poisson arrivals thinned to the profile, routing by
 the same weights, a delay each way, processor-sharing cells completing at
 $\\mu_j(N)$ (a table of the scenario's own `ServiceModel.rate`), buffers that reject. It runs
-the first `--peer-scenarios` scenarios; `speedup` = ours / peer in requests per second.
+the first `--peer-scenarios` scenarios; `speedup` = ours / peer in requests per second of
+wall time, `cpu_speedup` the same in requests per CPU second.
+
+JAX gets one CPU device per core (`dlbfluid.use_cpu_cores`; `--devices` to choose), and
+`simulate_requests` runs each device's share of the batch on its own.
 
 One JSON object goes to stdout (and to `--out`); timing and the record by `_harness.py`.
 Run, e.g.:
@@ -115,6 +121,7 @@ def ours(scns, policy, horizon, dtype, repeats):
     kw = dict(horizon=horizon, n_save=10, dtype=dtype, trials=1)
     t = H.timed(lambda: simulate_requests(batch, policy, **kw), repeats)
     sol, first, compile_s, best = t.result, t.first_call_s, t.compile_s, t.wall_s
+    cpu = t.cpus_s[t.walls_s.index(best)]
     arrivals = int(np.sum(np.asarray(sol.arrivals)))
     events = int(np.sum(np.asarray(sol.events)))
     names, freq = np.unique(sol.status_names(), return_counts=True)
@@ -122,8 +129,10 @@ def ours(scns, policy, horizon, dtype, repeats):
         "compile_s": compile_s,
         "first_call_s": first,
         "wall_s": best,
+        "cpu_s": cpu,
         "requests": arrivals,
         "requests_per_s": arrivals / best,
+        "requests_per_cpu_s": arrivals / cpu,
         "events_per_s": events / best,
         "statuses": {str(a): int(b) for a, b in zip(names, freq)},
     }
@@ -139,8 +148,14 @@ def main(argv=None):
     ap.add_argument("--policy", default="rand")
     ap.add_argument("--peer-scenarios", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--devices", type=int, default=None, help="CPU devices (default: cores)")
     args = H.parse(ap, argv)
+    if args.devices is None:
+        dlbfluid.use_cpu_cores()
+    else:
+        jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_enable_x64", True)  # the generator and the float64 rows need it
+    env = H.environment("devices", "cpu_count", "loadavg_start", "jax_version", "platform")
 
     pool = scenarios(max(args.batches), args.horizon, args.seed)
     rows = []
@@ -150,21 +165,28 @@ def main(argv=None):
             r.update(batch=B, dtype=dt)
             rows.append(r)
             H.log(
-                f"batch {B:5d} {dt}: {r['requests_per_s']:.3g} requests/s, "
-                f"compile {r['compile_s']:.1f} s"
+                f"batch {B:5d} {dt}: {r['requests_per_s']:.3g} requests/s "
+                f"({r['requests_per_cpu_s']:.3g} per CPU s), compile {r['compile_s']:.1f} s"
             )
 
-    peer_req = peer_wall = 0.0
+    peer_req = peer_wall = peer_cpu = 0.0
     for s, scn in enumerate(pool[: args.peer_scenarios]):
         x = np.asarray(dlbfluid.policy_from_name("rand").initial_routing(scn))
         table = rate_table(scn)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         arrived, _ = simpy_scenario(scn, x, table, args.horizon, seed=s)
         peer_wall += time.perf_counter() - t0
+        peer_cpu += time.process_time() - c0
         peer_req += arrived
-    peer = {"scenarios": args.peer_scenarios, "requests_per_s": peer_req / peer_wall}
+    peer = {
+        "scenarios": args.peer_scenarios,
+        "requests": int(peer_req),
+        "requests_per_s": peer_req / peer_wall,
+        "requests_per_cpu_s": peer_req / peer_cpu,
+    }
     for r in rows:
         r["speedup"] = r["requests_per_s"] / peer["requests_per_s"]
+        r["cpu_speedup"] = r["requests_per_cpu_s"] / peer["requests_per_cpu_s"]
     out = {
         "benchmark": "bench_requests",
         "scenarios": "App. B, 10 cells, markov cells, tick 0.005 s",
@@ -175,6 +197,11 @@ def main(argv=None):
         "python": platform.python_version(),
         "rows": rows,
         "peer_simpy": peer,
+        "environment": env,
+        "loadavg_end": H.loadavg(),
+        "memory": H.memory(),
+        "git": H.git_state(),
+        "command": H.command(argv),
     }
     H.emit(out, args.out)
 

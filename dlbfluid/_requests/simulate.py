@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 from .._policies import AbstractPolicy, policy_from_name
 from .._precision import require_x64
 from .._results import RESULTS, view
+from .._runtime.devices import per_device
 from .._scenario import Scenario
 from .._service.base import code as law_code
 from .._simulate import _hist_len, _setup
@@ -156,6 +158,21 @@ def _outputs(tr: Trial, st, counts, cfg: _Config) -> dict:
 
 @eqx.filter_jit
 def _run(scn, scale, eta, keys, policy, cfg):
+    """`_program` on each device's share of the batch (`per_device`: every device runs its
+    own loops, to the slowest trial of its share, without communication), the batch
+    padded to a multiple of the device count with copies of its last scenario."""
+    B, d = keys.shape[0], jax.local_device_count()
+    pad = -B % d
+
+    def padded(a):
+        return jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]) if pad else a
+
+    args = jax.tree_util.tree_map(padded, (scn, scale, eta, keys))
+    out = per_device(lambda s, k, e, r: _program(s, k, e, r, policy, cfg))(*args)
+    return {name: a[:B] for name, a in out.items()}
+
+
+def _program(scn, scale, eta, keys, policy, cfg):
     """The batch: trials `(B,)` of the scenarios, states `(B, R)`, one tick loop for all
     (`run_tick`), the counts saved at `cfg.save_ticks`."""
     tr = jax.vmap(lambda s, k, e: _trial(s, k, e, policy=policy, cfg=cfg))(scn, scale, eta)
@@ -175,6 +192,166 @@ def _run(scn, scale, eta, keys, policy, cfg):
         jax.vmap(lambda t, s, c: _outputs(t, s, c, cfg), in_axes=(None, 0, 0)),
         in_axes=(0, 0, 0),
     )(tr, st, counts)
+
+
+def _batch(scenario, scale):
+    """`(scn, k_b, batched)`: the scenario with a leading batch axis `(B,)` (broadcast to
+    the scales when one scenario is run at several), the scales `(B,)` as floats, and
+    whether the caller passed a batch."""
+    if not isinstance(scenario, Scenario):
+        raise _bad("scenario", type(scenario).__name__, "expected a Scenario")
+    batched = len(scenario.batch_shape) == 1
+    if len(scenario.batch_shape) > 1:
+        raise _bad("scenario batch shape", scenario.batch_shape, "expected at most one axis")
+    scn = scenario.strip()
+    if not batched:
+        scn = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], scn)
+    B = scn.replicas.shape[0]
+    k = np.asarray(scale)
+    if k.ndim > 1 or (k.ndim == 1 and k.shape[0] not in (1, B)):
+        raise _bad("scale", scale, f"expected a positive integer or one per scenario ({B},)")
+    if k.dtype == bool or not np.all(np.isfinite(k)) or np.any(k < 1) or np.any(k != np.round(k)):
+        raise _bad("scale", scale, "expected positive integers")
+    if k.ndim == 1 and not batched and k.shape[0] > 1:
+        B = k.shape[0]
+        scn = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (B,) + a.shape[1:]), scn)
+        batched = True
+    return scn, np.broadcast_to(k.astype(float), (B,)).copy(), batched
+
+
+def _times(tick, horizon, warmup, n_save):
+    """`(h, T, w, K, n_save)`: the checked tick, horizon, warm-up, tick count and saves."""
+    h = tick
+    if isinstance(h, bool) or not isinstance(h, (int, float)) or not (0 < h < math.inf):
+        raise _bad("tick", tick, "expected a finite number > 0")
+    T = horizon
+    if isinstance(T, bool) or not isinstance(T, (int, float)) or not (0 < T < math.inf):
+        raise _bad("horizon", horizon, "expected a finite number > 0")
+    K = int(round(T / h))
+    if K < 1 or abs(K * h - T) > 1e-9 * max(T, 1.0):
+        raise _bad("horizon", horizon, f"expected a whole number of ticks (tick = {h})")
+    w = warmup
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 <= w < T):
+        raise _bad("warmup", warmup, f"expected a number in [0, horizon = {T})")
+    n_save = _count("n_save", n_save)
+    if n_save > K:
+        raise _bad("n_save", n_save, f"expected an integer in [1, {K}] (the number of ticks)")
+    return h, T, w, K, n_save
+
+
+def _step_sizes(step_size, B: int, n: int) -> np.ndarray:
+    """The routers' step sizes `(B, n)`."""
+    eta = np.asarray(step_size, dtype=float)
+    if eta.ndim > 2 or (eta.ndim >= 1 and eta.shape[-1] not in (1, n)):
+        raise _bad("step_size", step_size, f"expected a scalar, (n,) = ({n},) or (B, n)")
+    if not np.all(np.isfinite(eta)) or np.any(eta < 0):
+        raise _bad("step_size", step_size, "expected finite values >= 0")
+    try:
+        return np.broadcast_to(eta, (B, n)).copy()
+    except ValueError:
+        raise _bad("step_size", step_size, f"expected a scalar, (n,) or ({B}, {n})") from None
+
+
+class _Plan(NamedTuple):
+    """The server axis of a batch (`_servers_plan`): `servers` `(B, n)` servers per cell at
+    scale $k$, the largest count and decode-slot count, whether any cell is an App.-B
+    cell, and `pd_caps` `(B, n)` the App.-B cells' stage capacities (requests/s)."""
+
+    servers: np.ndarray
+    max_servers: int
+    max_slots: int
+    prefill_decode: bool
+    pd_caps: np.ndarray
+
+
+def _servers_plan(scenario, scn, service: str, k_b, batched: bool) -> _Plan:
+    """Check that `servers` mode fits every cell and size its arrays (theory/requests.md,
+    *App.-B cell*)."""
+    mask = np.asarray(scn.cell_mask)
+    B, n = mask.shape
+    rc, reps = np.asarray(scn.replica_counts), np.asarray(scn.replicas)
+    count = reps * k_b[:, None]
+    if service != "servers":
+        return _Plan(count, 1, 1, False, np.zeros((B, n)))
+    models = np.asarray(scn.service.model)
+    has = np.zeros((B, n), bool) if scn.servers is None else mask & np.asarray(scn.servers.mask)
+    bad = mask & ~has & (models != law_code("mm1"))
+    if np.any(bad):
+        b, j = (int(v[0]) for v in np.nonzero(bad))
+        names = scenario.cell_names
+        cell = f"cells[{j}]" + (f" ({names[j]!r})" if not batched and names else "")
+        raise _bad(
+            "service",
+            service,
+            f"'servers' needs a 'servers' object on {cell}"
+            + (f" of scenario {b}" if batched else "")
+            + " (the App.-B prefill/decode servers: README, Scenario files) or an M/M/1 "
+            "cell (k_j exponential FIFO servers); use service='markov' for other laws",
+        )
+    if np.any(mask & ~has & (np.abs(count - np.round(count)) > 1e-9)):
+        raise _bad("scenario.replicas", reps.tolist(), "'servers' needs integer replicas")
+    sched = rc * k_b[:, None, None]
+    if np.any((mask & ~has)[..., None] & (np.abs(sched - np.round(sched)) > 1e-9)):
+        raise _bad(
+            "scenario.replica_counts",
+            rc.tolist(),
+            "'servers' needs integer replica counts in a replica schedule",
+        )
+    max_slots, pd_caps = 1, np.zeros((B, n))
+    if np.any(has):
+        sv, wl = scn.servers, scn.workload
+        assert sv is not None and wl is not None  # (stack_scenarios fills both)
+        count = np.where(has, np.asarray(sv.count) * k_b[:, None], count)
+        engines = np.asarray(sv.decode_engines) * np.asarray(sv.slots)
+        max_slots = int(np.max(np.where(has, engines, 1)))
+        # Stage capacities (requests/s): prefill S/(t_p E[P]), decode S D/(t_d E[D]).
+        mean_p = np.asarray(wl.prompt_shift + wl.prompt_shape * wl.prompt_scale)[:, None]
+        mean_o = np.asarray(wl.output_shift + wl.output_shape * wl.output_scale)[:, None]
+        tp, td = np.asarray(sv.prefill_token_time), np.asarray(sv.decode_token_time)
+        pd_caps = np.where(has, count * (1 / (tp * mean_p) + engines / (td * mean_o)), 0.0)
+    max_servers = int(np.max(np.where(mask, np.round(count), 1)))
+    return _Plan(count, max_servers, max_slots, bool(np.any(has)), pd_caps)
+
+
+def _default_slots(scn, service: str, k_b, plan: _Plan) -> int:
+    """`slots` by default (the docstring of `simulate_requests`)."""
+    mask, buf = np.asarray(scn.cell_mask), np.asarray(scn.buffer)
+    if np.all(np.isfinite(buf[mask])):
+        need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)))) + 1
+        if plan.prefill_decode:
+            # Join the shortest queue: a server holds at most floor(kB_j / S_j) + 1.
+            S_j = np.maximum(np.round(plan.servers), 1)
+            need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)) / S_j)) + 2
+    else:
+        cap = jnp.asarray(np.asarray(scn.service.capacity))
+        work = np.asarray(scn.service.inverse_rate(0.95 * cap))
+        n0 = np.asarray(scn.initial_workload)
+        need = 4 * float(np.max(k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0)))
+        if service == "servers":
+            need = need / max(plan.max_servers, 1)
+            if plan.prefill_decode:
+                need = need + 2 * plan.max_slots
+    return _pow2(max(64.0, need))
+
+
+def _default_events(scn, k_b, h: float, plan: _Plan) -> int:
+    """`events` by default: Poisson candidates of rate at most 2 k sum(lambda_max)
+    (arrivals and deliveries) + k sum(capacity) (completions), plus the tick's end; six
+    standard deviations above the mean."""
+    mask, lam = np.asarray(scn.cell_mask), np.asarray(scn.arrival_rates)
+    rc, reps = np.asarray(scn.replica_counts), np.asarray(scn.replicas)
+    caps = np.where(mask, np.asarray(scn.service.capacity), 0.0)
+    # (a replica schedule above the nominal count raises the capacity with it)
+    caps = caps * np.maximum(np.max(rc, axis=-1) / np.maximum(reps, 1e-300), 1.0)
+    # App.-B cells: two deterministic events per request, at most the stage capacities,
+    # and in the long run the arrival rate: their sum is capped at 4 sum(lambda_max)
+    # (a stage that drains a backlog faster may exceed `events`: a status).
+    lam_tot = np.where(mask, lam.max(-1), 0.0).sum(-1)
+    pd_rate = np.minimum(plan.pd_caps.sum(-1) / k_b, 4.0 * lam_tot)
+    caps = np.where(plan.pd_caps > 0, 0.0, caps)
+    rate = np.max(k_b * (2.0 * lam_tot + caps.sum(-1) + pd_rate))
+    m = float(rate) * h
+    return _pow2(16.0 + m + 6.0 * math.sqrt(m))
 
 
 def simulate_requests(
@@ -258,141 +435,21 @@ def simulate_requests(
         raise _bad("dtype", str(dtype), "allowed float64 or float32")
     if dtype == jnp.float64:
         require_x64("simulate_requests(dtype=float64)")  # (float32 runs without x64)
-    if not isinstance(scenario, Scenario):
-        raise _bad("scenario", type(scenario).__name__, "expected a Scenario")
-    batched = len(scenario.batch_shape) == 1
-    if len(scenario.batch_shape) > 1:
-        raise _bad("scenario batch shape", scenario.batch_shape, "expected at most one axis")
-    scn = scenario.strip()
-    if not batched:
-        scn = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], scn)
+    scn, k_b, batched = _batch(scenario, scale)
     B, n = scn.replicas.shape
-
-    k = np.asarray(scale)
-    if k.ndim > 1 or (k.ndim == 1 and k.shape[0] not in (1, B)):
-        raise _bad("scale", scale, f"expected a positive integer or one per scenario ({B},)")
-    if k.dtype == bool or not np.all(np.isfinite(k)) or np.any(k < 1) or np.any(k != np.round(k)):
-        raise _bad("scale", scale, "expected positive integers")
-    if k.ndim == 1 and not batched and k.shape[0] > 1:
-        B = k.shape[0]
-        scn = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (B,) + a.shape[1:]), scn)
-        batched = True
-    k_b = np.broadcast_to(k.astype(float), (B,)).copy()
-
-    h = tick
-    if isinstance(h, bool) or not isinstance(h, (int, float)) or not (0 < h < math.inf):
-        raise _bad("tick", tick, "expected a finite number > 0")
-    T = horizon
-    if isinstance(T, bool) or not isinstance(T, (int, float)) or not (0 < T < math.inf):
-        raise _bad("horizon", horizon, "expected a finite number > 0")
-    K = int(round(T / h))
-    if K < 1 or abs(K * h - T) > 1e-9 * max(T, 1.0):
-        raise _bad("horizon", horizon, f"expected a whole number of ticks (tick = {h})")
-    w = warmup
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 <= w < T):
-        raise _bad("warmup", warmup, f"expected a number in [0, horizon = {T})")
-    n_save = _count("n_save", n_save)
-    if n_save > K:
-        raise _bad("n_save", n_save, f"expected an integer in [1, {K}] (the number of ticks)")
-    eta = np.asarray(step_size, dtype=float)
-    if eta.ndim > 2 or (eta.ndim >= 1 and eta.shape[-1] not in (1, n)):
-        raise _bad("step_size", step_size, f"expected a scalar, (n,) = ({n},) or (B, n)")
-    if not np.all(np.isfinite(eta)) or np.any(eta < 0):
-        raise _bad("step_size", step_size, "expected finite values >= 0")
-    try:
-        eta_b = np.broadcast_to(eta, (B, n)).copy()
-    except ValueError:
-        raise _bad("step_size", step_size, f"expected a scalar, (n,) or ({B}, {n})") from None
-
-    mask = np.asarray(scn.cell_mask)
-    rc, reps = np.asarray(scn.replica_counts), np.asarray(scn.replicas)
-    buf = np.asarray(scn.buffer)
+    h, T, w, K, n_save = _times(tick, horizon, warmup, n_save)
+    eta_b = _step_sizes(step_size, B, n)
     lam = np.asarray(scn.arrival_rates)
     if not np.all(np.isfinite(lam)):
         raise _bad("scenario.arrival_rates", "non-finite rates", "expected finite rates")
-    max_servers, max_slots, prefill_decode = 1, 1, False
-    pd_caps = np.zeros((B, n))
-    if service == "servers":
-        models = np.asarray(scn.service.model)
-        has = np.zeros((B, n), bool) if scn.servers is None else mask & np.asarray(scn.servers.mask)
-        bad = mask & ~has & (models != law_code("mm1"))
-        if np.any(bad):
-            b, j = (int(v[0]) for v in np.nonzero(bad))
-            names = scenario.cell_names
-            cell = f"cells[{j}]" + (f" ({names[j]!r})" if not batched and names else "")
-            raise _bad(
-                "service",
-                service,
-                f"'servers' needs a 'servers' object on {cell}"
-                + (f" of scenario {b}" if batched else "")
-                + " (the App.-B prefill/decode servers: README, Scenario files) or an M/M/1 "
-                "cell (k_j exponential FIFO servers); use service='markov' for other laws",
-            )
-        prefill_decode = bool(np.any(has))
-        count = reps * k_b[:, None]
-        if np.any(mask & ~has & (np.abs(count - np.round(count)) > 1e-9)):
-            raise _bad("scenario.replicas", reps.tolist(), "'servers' needs integer replicas")
-        sched = rc * k_b[:, None, None]
-        if np.any((mask & ~has)[..., None] & (np.abs(sched - np.round(sched)) > 1e-9)):
-            raise _bad(
-                "scenario.replica_counts",
-                rc.tolist(),
-                "'servers' needs integer replica counts in a replica schedule",
-            )
-        if prefill_decode:
-            sv, wl = scn.servers, scn.workload
-            assert sv is not None and wl is not None  # (stack_scenarios fills both)
-            count = np.where(has, np.asarray(sv.count) * k_b[:, None], count)
-            engines = np.asarray(sv.decode_engines) * np.asarray(sv.slots)
-            max_slots = int(np.max(np.where(has, engines, 1)))
-            # Stage capacities (requests/s): prefill S/(t_p E[P]), decode S D/(t_d E[D]).
-            mean_p = np.asarray(wl.prompt_shift + wl.prompt_shape * wl.prompt_scale)[:, None]
-            mean_o = np.asarray(wl.output_shift + wl.output_shape * wl.output_scale)[:, None]
-            tp, td = np.asarray(sv.prefill_token_time), np.asarray(sv.decode_token_time)
-            pd_caps = np.where(has, count * (1 / (tp * mean_p) + engines / (td * mean_o)), 0.0)
-        max_servers = int(np.max(np.where(mask, np.round(count), 1)))
-
-    kmax = float(k_b.max())
-    if slots is None:
-        if np.all(np.isfinite(buf[mask])):
-            need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)))) + 1
-            if prefill_decode:
-                # Join the shortest queue: a server holds at most floor(kB_j / S_j) + 1.
-                S_j = np.maximum(np.round(count), 1)
-                need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)) / S_j)) + 2
-        else:
-            cap = jnp.asarray(np.asarray(scn.service.capacity))
-            work = np.asarray(scn.service.inverse_rate(0.95 * cap))
-            n0 = np.asarray(scn.initial_workload)
-            need = 4 * float(np.max(k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0)))
-            if service == "servers":
-                need = need / max(max_servers, 1)
-                if prefill_decode:
-                    need = need + 2 * max_slots
-        slots = _pow2(max(64.0, need))
-    slots = _count("slots", slots)
+    plan = _servers_plan(scenario, scn, service, k_b, batched)
+    slots = _count("slots", _default_slots(scn, service, k_b, plan) if slots is None else slots)
     tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
     if arc_slots is None:
-        mean = kmax * float(np.max(lam)) * float(tau.max())
+        mean = float(k_b.max()) * float(np.max(lam)) * float(tau.max())
         arc_slots = _pow2(32.0 + 4.0 * mean + 8.0 * math.sqrt(mean))
     arc_slots = _count("arc_slots", arc_slots)
-    if events is None:
-        # Events of a tick: Poisson candidates of rate at most 2 k sum(lambda_max) (arrivals
-        # and deliveries) + k sum(capacity) (completions), plus the tick's end; six
-        # standard deviations above the mean.
-        caps = np.where(mask, np.asarray(scn.service.capacity), 0.0)
-        # (a replica schedule above the nominal count raises the capacity with it)
-        caps = caps * np.maximum(np.max(rc, axis=-1) / np.maximum(reps, 1e-300), 1.0)
-        # App.-B cells: two deterministic events per request, at most the stage capacities,
-        # and in the long run the arrival rate: their sum is capped at 4 sum(lambda_max)
-        # (a stage that drains a backlog faster may exceed `events`: a status).
-        lam_tot = np.where(mask, lam.max(-1), 0.0).sum(-1)
-        pd_rate = np.minimum(pd_caps.sum(-1) / k_b, 4.0 * lam_tot)
-        caps = np.where(pd_caps > 0, 0.0, caps)
-        rate = np.max(k_b * (2.0 * lam_tot + caps.sum(-1) + pd_rate))
-        m = float(rate) * h
-        events = _pow2(16.0 + m + 6.0 * math.sqrt(m))
-    events = _count("events", events)
+    events = _count("events", _default_events(scn, k_b, h, plan) if events is None else events)
 
     save_ticks = tuple(int(s) for s in (np.arange(n_save + 1) * K) // n_save)
     cfg = _Config(
@@ -405,17 +462,17 @@ def simulate_requests(
         slots=slots,
         arc_slots=arc_slots,
         events=events,
-        max_servers=max_servers,
+        max_servers=plan.max_servers,
         histogram=histogram,
-        prefill_decode=prefill_decode,
-        max_slots=max_slots,
+        prefill_decode=plan.prefill_decode,
+        max_slots=plan.max_slots,
     )
     scn = jax.tree_util.tree_map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
     )
     keys = jr.split(jr.PRNGKey(seed), B * trials).reshape(B, trials, -1)
     out = _run(scn, jnp.asarray(k_b, dtype), jnp.asarray(eta_b, dtype), keys, pol, cfg)
-    per = dict(out, scale=jnp.asarray(k_b, dtype), cell_mask=jnp.asarray(mask))
+    per = dict(out, scale=jnp.asarray(k_b, dtype), cell_mask=jnp.asarray(scn.cell_mask))
     if not batched:
         per = {name: a[0] for name, a in per.items()}
     sol = RequestSolution(
