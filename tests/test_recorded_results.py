@@ -108,7 +108,7 @@ def test_readme_table_quotes_the_recordings():
 # The request-level twin's evaluation (issue 32): notebooks/results/requests_KIND/
 # ----------------------------------------------------------------------------------------
 
-REQUEST_KINDS = ("baseline", "burst", "outage")
+REQUEST_KINDS = ("baseline", "burst", "outage", "utilization")
 """The kinds recorded at request level (`dlbfluid experiment KIND --model requests
 --service servers`), each in `notebooks/results/requests_KIND/` with `record.json` (the
 commit and wall time of the run)."""
