@@ -315,6 +315,12 @@ def _print_tables(res: dict, args) -> None:
     header = ["policy", "in hypothesis", "bound holds", "bound/measured q50 [q10, q90]",
               "estimates hold", "eta0/eta*", "eta_g/eta*", "bistable"]  # fmt: skip
     print(table([_theorem1_row(pol, s) for pol, s in pols], header))
+    if all(not s["in_hypothesis_fraction"] for _, s in pols):
+        # Say why the verdict columns are empty, and how to fill them.
+        print(
+            "  no run is inside the hypothesis (eta > eta0 everywhere): the bound is a "
+            "reference only; --step-base eta0 --step-fraction 1 checks it"
+        )
     print("Diagnostics (not the theorem's verdict)")
     header = ["policy", "projection check", "converged", "failed", "time-avg distance",
               "eta/eta*", "under fitted shape", "empirical eta0/eta*"]  # fmt: skip
