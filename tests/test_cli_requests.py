@@ -275,3 +275,24 @@ def test_experiment_request_options_are_checked_first(tmp_path, capsys):
         rc, cap = _run(capsys, ["experiment", *EXP, *extra, "--out", str(tmp_path / "x")])
         assert rc == 2 and message in cap.err and "usage:" not in cap.err
     assert not (tmp_path / "x").exists()
+
+
+def test_simulate_requests_passes_progress_as_the_fluid_run_does(files, monkeypatch, capsys):
+    """`--model requests` shows progress where the fluid run does: on a terminal or above
+    20,000 ticks, never with `--no-progress` (the run itself is stubbed: only the flag
+    that reaches `simulate_requests` is checked)."""
+    import dlbfluid._requests as req
+
+    seen = []
+
+    def stub(*args, progress=False, **kw):
+        seen.append(progress)
+        raise ValueError("stub")
+
+    monkeypatch.setattr(req, "simulate_requests", stub)
+    long = ["--tick", "0.001", "--horizon", "30", "--model", "requests", "--trials", "2"]
+    short = ["--tick", "0.005", "--horizon", "20", "--model", "requests", "--trials", "2"]
+    for argv in (long, long + ["--no-progress"], short):
+        assert main(["simulate", str(files["b50"]), *argv, "--json"]) == 2  # (the stub's error)
+        assert "error: stub" in capsys.readouterr().err
+    assert seen == [True, False, False]

@@ -10,6 +10,7 @@ FIFO server.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import helpers
@@ -20,6 +21,7 @@ import simpy
 
 import dlbfluid
 from dlbfluid import scenario_from_dict, simulate, simulate_requests, stack_scenarios
+from dlbfluid._requests import simulate as req_sim
 from dlbfluid._requests.histogram import LatencyHistogram
 from dlbfluid._results import RESULTS
 
@@ -407,3 +409,30 @@ def test_servers_needs_mm1_cells():
     d["cells"][0]["replica_schedule"] = {"times": [0.0, 0.5], "replicas": [1, 1.5]}
     with pytest.raises(ValueError, match="integer replica counts"):
         simulate_requests(scenario_from_dict(d), "rand", service="servers", horizon=1.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Progress on long runs
+# ----------------------------------------------------------------------------------------
+
+
+def test_progress_lines_and_bitwise_equal_results(monkeypatch, capsys):
+    """`progress=True` writes a line per save interval once the interval between lines is
+    0 (a run long enough for the 10 s default), each with the segments done, the requests
+    arrived so far and the events; the results are bitwise those without progress. Control:
+    without it, nothing on stderr."""
+    monkeypatch.setattr(req_sim, "Progress", functools.partial(req_sim.Progress, interval=0.0))
+    kw = dict(trials=2, horizon=2.0, tick=0.25, n_save=4, slots=SLOTS)
+    scn = scenario_from_dict(one_cell())
+    plain = simulate_requests(scn, "rand", **kw)
+    assert capsys.readouterr().err == ""
+    shown = simulate_requests(scn, "rand", progress=True, **kw)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [ln.split(":")[1].split()[0] for ln in lines] == ["1/4", "2/4", "3/4", "4/4"], lines
+    arrived = int(np.sum(plain.arrivals))
+    assert arrived > 0 and f"{arrived:,} requests" in lines[-1], (arrived, lines[-1])
+    assert f"{int(np.sum(plain.events)):,} events" in lines[-1]
+    fields = ("count", "served", "latency_sum", "latency_sq", "histogram", "arrivals", "drops",
+              "mean_requests", "utilisation", "final_x", "status", "events")  # fmt: skip
+    for f in fields:
+        assert np.array_equal(np.asarray(getattr(plain, f)), np.asarray(getattr(shown, f))), f

@@ -420,6 +420,8 @@ def run_requests(args, req: dict) -> int:
         warn("simulate", note)
     n_save = min(args.n_save, K)
     warmup = max(0.0, args.horizon - args.window * args.horizon)
+    # (progress as the fluid run shows it: on a terminal or for a long run)
+    show = not args.no_progress and (sys.stderr.isatty() or K > 20000)
     results: dict[str, dict] = {}
     arrays: dict = {}  # (counts.npz: the save times and each policy's counts)
     t0 = time.perf_counter()
@@ -443,6 +445,7 @@ def run_requests(args, req: dict) -> int:
                 warmup=warmup,
                 n_save=n_save,
                 throw=False,
+                progress=show,
             )
         except ValueError as e:
             raise relabel(e, SIMULATE_REQUESTS) from None

@@ -15,6 +15,7 @@ from .._policies import AbstractPolicy, policy_from_name
 from .._precision import require_x64
 from .._results import RESULTS, view
 from .._runtime.devices import per_device
+from .._runtime.progress import Progress
 from .._scenario import Scenario
 from .._service.base import code as law_code
 from .._simulate import _hist_len, _setup
@@ -156,11 +157,29 @@ def _outputs(tr: Trial, st, counts, cfg: _Config) -> dict:
     )
 
 
+class _Report:
+    """The progress of a run (`simulate_requests(progress=True)`): one `Progress` unit per
+    save interval of each device's share, with the requests arrived and the events run so
+    far (summed over the devices' shares from each segment's increments) as its note."""
+
+    def __init__(self, total: int):
+        self.progress = Progress("simulating requests", total, unit="segments")
+        self.requests = 0
+        self.events = 0
+
+    def __call__(self, requests, events) -> None:
+        self.requests += int(requests)
+        self.events += int(events)
+        note = f"{self.requests:,} requests, {self.events:,} events"
+        self.progress.update(self.progress.done + 1, note)
+
+
 @eqx.filter_jit
-def _run(scn, scale, eta, keys, policy, cfg):
+def _run(scn, scale, eta, keys, policy, cfg, report=None):
     """`_program` on each device's share of the batch (`per_device`: every device runs its
     own loops, to the slowest trial of its share, without communication), the batch
-    padded to a multiple of the device count with copies of its last scenario."""
+    padded to a multiple of the device count with copies of its last scenario. `report`
+    (static): a `_Report` called after every save interval, or None."""
     B, d = keys.shape[0], jax.local_device_count()
     pad = -B % d
 
@@ -168,13 +187,15 @@ def _run(scn, scale, eta, keys, policy, cfg):
         return jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]) if pad else a
 
     args = jax.tree_util.tree_map(padded, (scn, scale, eta, keys))
-    out = per_device(lambda s, k, e, r: _program(s, k, e, r, policy, cfg))(*args)
+    out = per_device(lambda s, k, e, r: _program(s, k, e, r, policy, cfg, report))(*args)
     return {name: a[:B] for name, a in out.items()}
 
 
-def _program(scn, scale, eta, keys, policy, cfg):
+def _program(scn, scale, eta, keys, policy, cfg, report=None):
     """The batch: trials `(B,)` of the scenarios, states `(B, R)`, one tick loop for all
-    (`run_tick`), the counts saved at `cfg.save_ticks`."""
+    (`run_tick`), the counts saved at `cfg.save_ticks`; `report(requests, events)` after
+    each save interval with its arrivals (in the statistics window) and events, when
+    given (a host callback: the loop's arithmetic is unchanged)."""
     tr = jax.vmap(lambda s, k, e: _trial(s, k, e, policy=policy, cfg=cfg))(scn, scale, eta)
     st = _batched(init_state)(tr, keys)
     running = jnp.ones(keys.shape[:2], bool)
@@ -182,8 +203,13 @@ def _program(scn, scale, eta, keys, policy, cfg):
     count = _batched(lambda t, s: t.cells.count(s.cells))
 
     def segment(st, s):
-        st = jax.lax.fori_loop(ticks[s], ticks[s + 1], lambda k, x: run_tick(tr, k, x, running), st)
-        return st, count(tr, st)
+        new = jax.lax.fori_loop(
+            ticks[s], ticks[s + 1], lambda k, x: run_tick(tr, k, x, running), st
+        )
+        if report is not None:
+            arrived = jnp.sum(new.stats.arrivals) - jnp.sum(st.stats.arrivals)
+            jax.debug.callback(report, arrived, jnp.sum(new.events - st.events), ordered=False)
+        return new, count(tr, new)
 
     count0 = count(tr, st)
     st, counts = jax.lax.scan(segment, st, jnp.arange(len(cfg.save_ticks) - 1))
@@ -373,6 +399,7 @@ def simulate_requests(
     histogram: LatencyHistogram = LatencyHistogram(),
     dtype=None,
     throw: bool | None = None,
+    progress: bool = False,
 ) -> RequestSolution:
     """Simulate the scenario request by request, batched over scenarios and trials.
 
@@ -416,6 +443,12 @@ def simulate_requests(
     - `dtype`: `jnp.float64` (default; needs JAX's x64 mode, `dlbfluid.enable_x64()`) or
       `jnp.float32`.
     - `throw`: raise on a failed scenario or trial; default True for one scenario.
+    - `progress`: a line on stderr (`dlbfluid._runtime.progress.Progress`, as `simulate`'s)
+      after the first save interval, then at least every 10 s (on a terminal, redrawn at
+      every interval) and at the end: save intervals done of all, elapsed and estimated
+      time left, the requests arrived in the statistics window and the events so far.
+      The results are bitwise those without it; a long run with few saves reports
+      seldom (`n_save` sets how often it can).
 
     **Returns:** a `RequestSolution` with axes `(B, trials)` (`(trials,)` for one scenario).
 
@@ -471,7 +504,8 @@ def simulate_requests(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
     )
     keys = jr.split(jr.PRNGKey(seed), B * trials).reshape(B, trials, -1)
-    out = _run(scn, jnp.asarray(k_b, dtype), jnp.asarray(eta_b, dtype), keys, pol, cfg)
+    report = _Report(n_save * jax.local_device_count()) if progress else None
+    out = _run(scn, jnp.asarray(k_b, dtype), jnp.asarray(eta_b, dtype), keys, pol, cfg, report)
     per = dict(out, scale=jnp.asarray(k_b, dtype), cell_mask=jnp.asarray(scn.cell_mask))
     if not batched:
         per = {name: a[0] for name, a in per.items()}
