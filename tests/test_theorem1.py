@@ -236,11 +236,24 @@ def test_catalogue_ladder(catalogue_ladder):
         assert key in s
 
 
-def test_verify_json_contract_and_options(tmp_path, capsys):
+def _fake_records(idx, seed, source, pols, chunk, *rest, **kw):
+    """`_chunk_records` without computing: each record's cell count from its source."""
+    return [{"index": i, "n_cells": len(source(seed, i)["cells"]), "utilisation": 0.5,
+             "policies": {p: {"converged": True, "status": "success",
+                              "time_average_distance": 0.1, "final_distance": 0.1,
+                              "eta_over_eta_star": 0.3} for p, _ in pols}}
+            for i in idx]  # fmt: skip
+
+
+def test_verify_json_contract_and_options(tmp_path, capsys, monkeypatch):
     """--ladder none (the default): every record gains theorem1, thresholds, the
     projection check and null ladder keys beside the old ones; --policy, --generator appb,
     --step-rule paper and --scenario run; --step-base eta0 runs inside the hypothesis and
-    the bound holds there; a bad --policy names the allowed ones."""
+    the bound holds there; a bad --policy names the allowed ones.
+
+    The real runs are batches of two 2-3-cell scenarios, the shapes of test_verify's and
+    the theorem1 notebook's chunks (a --scenario run is a batch of one, whose programs
+    nothing else compiles: its file and count are checked on faked records)."""
     rc = main(["verify", "--scenarios", "2", "--seed", "3", "--chunk", "2", "--min-cells", "2",
                "--max-cells", "3", "--horizon", "20", "--tick", "0.1", "--json", "--policy",
                "flow-grad", "--generator", "appb", "--step-rule", "paper"])  # fmt: skip
@@ -269,6 +282,24 @@ def test_verify_json_contract_and_options(tmp_path, capsys):
                                                 "mismatch"}  # fmt: skip
     assert rec["bound"] is None and len(rec["step_sizes"]) == res["scenarios"][0]["n_cells"]
     assert rec["eta_over_eta_star"] > 0
+    summ = res["summary"]["policies"]["flow-grad"]
+    for key in ("in_hypothesis_fraction", "theorem1_holds_fraction", "tightness",
+                "eta0_over_eta_star", "eta_global_over_eta_star", "bistable_fraction",
+                "estimates_hold_fraction"):  # fmt: skip
+        assert key in summ
+    rc = main(["verify", "--scenarios", "2", "--seed", "3", "--chunk", "2", "--min-cells", "2",
+               "--max-cells", "3", "--horizon", "20", "--tick", "0.1", "--json", "--policy",
+               "flow-grad", "--step-base", "eta0", "--step-fraction", "1"])  # fmt: skip
+    assert rc == 0
+    at0 = json.loads(capsys.readouterr().out)
+    for one in at0["scenarios"]:
+        th = one["policies"]["flow-grad"]["theorem1"]
+        assert th["in_hypothesis"] is True and th["holds"] is True
+        assert th["eta_over_eta0"] == pytest.approx(1.0, rel=1e-12)
+    assert at0["summary"]["policies"]["flow-grad"]["theorem1_holds_fraction"] == 1.0
+    import dlbfluid._verify.records
+
+    monkeypatch.setattr(dlbfluid._verify.records, "_chunk_records", _fake_records)
     f = tmp_path / "three.json"
     f.write_text(json.dumps(THREE))
     rc = main(["verify", "--scenario", str(f), "--chunk", "2", "--max-cells", "3", "--horizon",
@@ -276,20 +307,6 @@ def test_verify_json_contract_and_options(tmp_path, capsys):
     assert rc == 0
     one = json.loads(capsys.readouterr().out)
     assert one["summary"]["scenarios"] == 1 and one["scenarios"][0]["n_cells"] == 3
-    summ = one["summary"]["policies"]["flow-grad"]
-    for key in ("in_hypothesis_fraction", "theorem1_holds_fraction", "tightness",
-                "eta0_over_eta_star", "eta_global_over_eta_star", "bistable_fraction",
-                "estimates_hold_fraction"):  # fmt: skip
-        assert key in summ
-    rc = main(["verify", "--scenario", str(f), "--chunk", "2", "--max-cells", "3", "--horizon",
-               "20", "--tick", "0.1", "--json", "--policy", "flow-grad", "--step-base", "eta0",
-               "--step-fraction", "1"])  # fmt: skip
-    assert rc == 0
-    at0 = json.loads(capsys.readouterr().out)
-    th = at0["scenarios"][0]["policies"]["flow-grad"]["theorem1"]
-    assert th["in_hypothesis"] is True and th["holds"] is True
-    assert th["eta_over_eta0"] == pytest.approx(1.0, rel=1e-12)
-    assert at0["summary"]["policies"]["flow-grad"]["theorem1_holds_fraction"] == 1.0
     assert main(["verify", "--policy", "disc-grad", "--scenarios", "1"]) == 2
     assert "--policy = 'disc-grad' is invalid" in capsys.readouterr().err
 
