@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 
+import equinox as eqx
+import jax.numpy as jnp
 import numpy as np
 
 import dlbfluid as dl
@@ -118,3 +120,19 @@ def both_laws(d: dict, **kwargs):
     away)."""
     s = dl.scenario_from_dict(d, **kwargs)
     return dl.pad_scenario(s, s.n_cells, laws=LAWS, est_laws=LAWS)
+
+
+def contract_batch():
+    """The contract batch of tests/test_contracts.py (`test_policy_contract`'s `mixed`):
+    THREE, the two-M/M/1 network (tau = 0.07, padded to 3 cells) and THREE with a NaN base
+    latency (validation bypassed: it ends `nonfinite` from t = 0), both service laws. With
+    `CONTRACT_RUN` (step 0.3, tick 0.05, 2 s, 40 saves) a policy's batch-first run is the
+    contract's compiled program: other tests that run this batch share it."""
+    good = dl.scenario_from_dict(THREE)
+    other = dl.scenario_from_dict(two_mm1(tau=0.07))
+    bad = eqx.tree_at(lambda s: s.service.base_latency, good, jnp.array([jnp.nan, 0.6, 1.0]))
+    return dl.stack_scenarios([good, other, bad], laws=LAWS)
+
+
+CONTRACT_RUN = dict(step_size=0.3, tick=0.05, horizon=2.0, n_save=40)
+"""`simulate`'s options in the contract run (40 ticks, a save at each)."""

@@ -1,12 +1,14 @@
 """`vmap_last` against `jax.vmap` (a catalogue of the primitives it rewrites and one it
-hands back to vmap), and `simulate(layout="batch-last")` against the default layout."""
+hands back to vmap), and `simulate(layout="batch-last")` against the default layout.
 
-import equinox as eqx
+The simulations run the contract batch of tests/test_contracts.py (`helpers.contract_batch`,
+`CONTRACT_RUN`): each policy's batch-first run is the contract's compiled program."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_scenario
+from helpers import CONTRACT_RUN, contract_batch
 
 import dlbfluid as dl
 from dlbfluid._elementary import exp_neg, log1p_unit
@@ -91,24 +93,21 @@ def test_fallback_is_vmap():
     assert _batchlast.FALLBACKS.get("while", 0) == before + 1
 
 
-def _batch(n_batch=3, n=3):
-    r = np.random.default_rng(11)
-    return dl.stack_scenarios(
-        [dl.scenario_from_dict(random_scenario(r, n, max_tau=0.03)) for _ in range(n_batch)]
-    )
+STATUSES = ["success", "success", "nonfinite"]  # of the contract batch
 
 
 @pytest.mark.parametrize("policy", ["flow-grad", "disc-lat", "flow-rif", "rand", "mnlb"])
 def test_simulate_batch_last_equals_batch_first(policy):
     """The same arithmetic in either layout: float64 workloads, routings and totals to
-    rounding, statuses equal."""
-    scn = _batch()
-    kw = dict(tick=0.01, horizon=0.4, n_save=4)
+    rounding, statuses equal (the poisoned scenario `nonfinite` in both)."""
+    scn = contract_batch()
+    kw = CONTRACT_RUN
     a = dl.simulate(scn, policy, **kw)
     _batchlast.FALLBACKS.clear()
     b = dl.simulate(scn, policy, layout="batch-last", **kw)
     np.testing.assert_array_equal(np.asarray(a.status), np.asarray(b.status))
-    assert set(a.status_names().tolist()) == {"success"}
+    assert a.status_names().tolist() == STATUSES
+    assert float(np.max(np.abs(np.asarray(a.N[:2, -1] - a.N[:2, 0])))) > 0.1  # it moved
     for field in ("N", "x", "arrivals", "departures", "in_flight", "workload_integral"):
         got, want = np.asarray(getattr(b, field)), np.asarray(getattr(a, field))
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13, err_msg=field)
@@ -118,26 +117,28 @@ def test_simulate_batch_last_equals_batch_first(policy):
 
 
 def test_simulate_batch_last_float32():
-    scn = _batch()
-    kw = dict(tick=0.01, horizon=0.4, n_save=2, dtype=jnp.float32)
-    a = dl.simulate(scn, "flow-grad", **kw)
-    b = dl.simulate(scn, "flow-grad", layout="batch-last", chunk=2, **kw)  # two chunks
-    np.testing.assert_allclose(np.asarray(b.N), np.asarray(a.N), rtol=1e-5, atol=1e-5)
+    """float32 batch-last in two chunks equals batch-first to 1e-5 at the saves both make
+    (the first and the last: the runs' save counts are those of
+    `test_default_layout_is_used`, whose programs they share)."""
+    scn = contract_batch()
+    kw = dict(CONTRACT_RUN, dtype=jnp.float32)
+    a = dl.simulate(scn, "flow-grad", **dict(kw, n_save=20))
+    b = dl.simulate(scn, "flow-grad", layout="batch-last", chunk=2, **dict(kw, n_save=1))
+    assert a.status_names().tolist() == b.status_names().tolist() == STATUSES
+    np.testing.assert_allclose(np.asarray(b.N), np.asarray(a.N)[:, [0, -1]], rtol=1e-5, atol=1e-5)
+    assert float(np.max(np.abs(np.asarray(a.N[:2, -1] - a.N[:2, 0])))) > 0.1  # it moved
 
 
 def test_batch_last_failure_is_a_status():
-    """A poisoned scenario (NaN base latency, validation bypassed) ends `nonfinite` with
-    finite, frozen values in the batch-last loop too (which checks the observations'
-    finiteness from their ring slot), equal to the batch-first run; the others succeed."""
-    good = _batch(2)
-    lat = good.service.params["base_latency"]
-    bad = eqx.tree_at(
-        lambda s: s.service.params["base_latency"], good, lat.at[1, 0].set(jnp.nan)
-    )
-    kw = dict(step_size=0.3, tick=0.01, horizon=0.4, n_save=4)
-    a = dl.simulate(bad, "flow-lat", **kw)
-    b = dl.simulate(bad, "flow-lat", layout="batch-last", **kw)
-    assert b.status_names().tolist() == ["success", "nonfinite"]
+    """A poisoned scenario (NaN base latency, validation bypassed: the contract batch's
+    third) ends `nonfinite` with finite, frozen values in the batch-last loop too (which
+    checks the observations' finiteness from their ring slot), equal to the batch-first
+    run; the others succeed."""
+    bad = contract_batch()
+    assert np.isnan(np.asarray(bad.service.params["base_latency"])[2, 0])
+    a = dl.simulate(bad, "flow-grad", **CONTRACT_RUN)
+    b = dl.simulate(bad, "flow-grad", layout="batch-last", **CONTRACT_RUN)
+    assert b.status_names().tolist() == STATUSES
     assert a.status_names().tolist() == b.status_names().tolist()
     assert np.all(np.isfinite(np.asarray(b.N)))
     np.testing.assert_allclose(np.asarray(b.N), np.asarray(a.N), rtol=1e-13, atol=1e-13)
@@ -145,7 +146,7 @@ def test_batch_last_failure_is_a_status():
 
 def test_layout_is_checked():
     with pytest.raises(ValueError, match=r"layout = 'sideways' is invalid: allowed batch-first"):
-        dl.simulate(_batch(), "rand", tick=0.01, horizon=0.1, n_save=1, layout="sideways")
+        dl.simulate(contract_batch(), "rand", tick=0.01, horizon=0.1, n_save=1, layout="sideways")
 
 
 def test_default_layout_rules():
@@ -177,14 +178,14 @@ def test_default_layout_is_used(monkeypatch):
         return real(chunk, n, share, layout, options)
 
     monkeypatch.setattr(verb, "_chosen_chunk", spy)  # (a spy: it changes nothing)
-    scn = _batch()
+    scn = contract_batch()
     opts = dl.SimulateOptions(batch_last_chunk=2)
     assert default_layout(jnp.float32, 3, 3, dl.Fast(), 40, opts) == "batch-last"
     assert default_layout(jnp.float32, 3, 3, dl.Fast(), 40) == "batch-first"  # 3 < 128
-    kw = dict(tick=0.01, horizon=0.4, n_save=1, options=opts)  # 40 ticks per save
+    kw = dict(CONTRACT_RUN, n_save=1, options=opts)  # 40 ticks per save
     got = dl.simulate(scn, "flow-grad", dtype=jnp.float32, **kw)
     last = dl.simulate(scn, "flow-grad", dtype=jnp.float32, layout="batch-last", **kw)
-    dl.simulate(scn, "flow-grad", **kw)
+    dl.simulate(scn, "flow-grad", **dict(kw, n_save=40))  # (the contract's program)
     dl.simulate(scn, "flow-grad", dtype=jnp.float32, **dict(kw, n_save=20))  # 2 per save
     assert chosen == ["batch-last", "batch-last", "batch-first", "batch-first"]
     np.testing.assert_array_equal(np.asarray(got.N), np.asarray(last.N))
