@@ -28,15 +28,14 @@ ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 # while writing). `verify`'s per-chunk numerics are replaced by records computed from each
 # scenario's own draw, and each process logs the chunks it computes: that chunk function is
 # the one-process one on the same chunk (the split is by whole chunks), and leaving out its
-# compilations keeps this test short; `simulate` and `experiment` run for real.
+# compilations keeps this test short; `simulate` and `experiment` run for real. The
+# one-process run calls `run_steps` in the test's own process (`_run_here`).
 DRIVER = r"""
 import contextlib, io, json, math, os, sys, time
 from pathlib import Path
 import dlbfluid._verify.records
 from dlbfluid._cli import main
 
-steps, extra, out, result = json.loads(Path(sys.argv[1]).read_text()), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
-me = int(os.environ.get("DRIVER_PROCESS", "0"))
 chunks = []
 
 def records(idx, seed, source, pols, chunk, *rest, **kw):
@@ -58,26 +57,36 @@ def records(idx, seed, source, pols, chunk, *rest, **kw):
 def boom(*args, **kw):
     raise RuntimeError("injected")
 
-done = []
-for step in steps:
-    if "truncate" in step:
-        if me == 0:
-            path = Path(out) / step["truncate"]
-            lines = path.read_text().splitlines(keepends=True)
-            path.write_text("".join(lines[: step["keep"]]) + step["torn"])
-        continue
-    argv = [a.replace("{out}", out) for a in step.get(f"argv{me}", step["argv"])] + extra
-    dlbfluid._verify.records._chunk_records = boom if step.get("fail") == me else records
-    chunks.clear()
-    so, se, t = io.StringIO(), io.StringIO(), time.perf_counter()
-    with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
-        try:
-            code = main(argv)
-        except Exception as e:
-            code = f"{type(e).__name__}: {e}"
-    done.append({"code": code, "stdout": so.getvalue(), "stderr": se.getvalue(),
-                 "chunks": list(chunks), "wall_s": time.perf_counter() - t})
-Path(result).write_text(json.dumps(done))
+def run_steps(steps, extra, out, me):
+    done = []
+    real = dlbfluid._verify.records._chunk_records
+    try:
+        for step in steps:
+            if "truncate" in step:
+                if me == 0:
+                    path = Path(out) / step["truncate"]
+                    lines = path.read_text().splitlines(keepends=True)
+                    path.write_text("".join(lines[: step["keep"]]) + step["torn"])
+                continue
+            argv = [a.replace("{out}", out) for a in step.get(f"argv{me}", step["argv"])] + extra
+            dlbfluid._verify.records._chunk_records = boom if step.get("fail") == me else records
+            chunks.clear()
+            so, se, t = io.StringIO(), io.StringIO(), time.perf_counter()
+            with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+                try:
+                    code = main(argv)
+                except Exception as e:
+                    code = f"{type(e).__name__}: {e}"
+            done.append({"code": code, "stdout": so.getvalue(), "stderr": se.getvalue(),
+                         "chunks": list(chunks), "wall_s": time.perf_counter() - t})
+    finally:
+        dlbfluid._verify.records._chunk_records = real
+    return done
+
+if __name__ == "__main__":
+    steps, extra = json.loads(Path(sys.argv[1]).read_text()), json.loads(sys.argv[2])
+    me = int(os.environ.get("DRIVER_PROCESS", "0"))
+    Path(sys.argv[4]).write_text(json.dumps(run_steps(steps, extra, sys.argv[3], me)))
 """
 
 SIMULATE = ["simulate", "default", "--policy", "rand", "--horizon", "2", "--tick", "0.1",
@@ -155,11 +164,20 @@ def _csv(path):
         return [dict(r) for r in csv.DictReader(f)]
 
 
+def _run_here(steps, out):
+    """The driver's steps as one process, in this one (its compilations go to the run's
+    persistent cache, and a process start is saved)."""
+    namespace = {"__name__": "driver"}
+    exec(compile(DRIVER, "driver.py", "exec"), namespace)
+    return json.loads(json.dumps(namespace["run_steps"](steps, [], str(out), 0)))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A one-process run of the commands the two-process run starts with, then the
-    two-process run (whose processes load the one-process run's compilations from JAX's
-    persistent cache: the same programs, compiled once instead of once per process)."""
+    """A one-process run of the commands the two-process run starts with (in this
+    process), then the two-process run (whose processes load the one-process run's
+    compilations from JAX's persistent cache: the same programs, compiled once instead of
+    once per process)."""
     tmp = tmp_path_factory.mktemp("distributed")
     (tmp / "driver.py").write_text(DRIVER)
     port = _free_port()
@@ -173,14 +191,13 @@ def runs(tmp_path_factory):
     one = [{"argv": SIMULATE}, {"argv": VERIFY}, {"argv": EXPERIMENT}]
     address = f"127.0.0.1:{port}"
     stages = [
-        [("one", one, [], {})],
         # Process 0 from the options, process 1 from the environment variables.
         [("p0", DISTRIBUTED, ["--coordinator", address, "--num-processes", "2",
                               "--process-id", "0"], {"DRIVER_PROCESS": "0"}),
          ("p1", DISTRIBUTED, [], {"JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2",
                                   "JAX_PROCESS_ID": "1", "DRIVER_PROCESS": "1"})],
     ]
-    stdout, res = {}, {}
+    stdout, res = {}, {"one": _run_here(one, tmp / "one")}
     t0 = time.perf_counter()
     for stage in stages:
         procs = {}
@@ -213,7 +230,7 @@ def test_two_processes_merge_to_a_one_process_run(runs):
     assert [r["code"] for r in p0[:7]] == [r["code"] for r in p1[:7]] == [0, 0, 0, 0, 0, 2, 2]
     assert p1[7]["code"] == "RuntimeError: injected"
     assert p0[7]["code"] == "RuntimeError: stopped because process 1 failed: RuntimeError: injected"
-    assert all(r["stdout"] == "" for r in p1) and stdout == {"one": "", "p0": "", "p1": ""}
+    assert all(r["stdout"] == "" for r in p1) and stdout == {"p0": "", "p1": ""}
     assert not (tmp / "p1").exists()  # process 1 writes nothing
     js = lambda r: json.loads(r["stdout"])  # noqa: E731
     assert all(len(r["stdout"].splitlines()) == 1 for r in one + p0[:5])
