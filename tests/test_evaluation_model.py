@@ -31,7 +31,8 @@ def test_full_queue_drops_at_the_closed_form_rate():
     # M/M/1 cell, lam = 15 > mu_bar = 10, buffer B = 5: once full, the cell serves
     # mu(B) = 10*5/6 and drops lam - mu(B) = 6.6667/s, i.e. an error rate of 0.44444.
     scn = dl.scenario_from_dict(one_cell(), allow_overload=True)
-    sol = dl.simulate(scn, "rand", tick=H, horizon=20.0, n_save=20)
+    # (200 saves, as the two tests below: the three runs share one compiled program)
+    sol = dl.simulate(scn, "rand", tick=H, horizon=20.0, n_save=200)
     assert float(sol.N[-1, 0]) == pytest.approx(5.0, abs=1e-12)
     assert float(sol.N.max()) <= 5.0
     expected = (15.0 - 10.0 * 5.0 / 6.0) / 15.0
@@ -65,9 +66,9 @@ def test_time_to_fill_the_queue_matches_the_ode():
 
 def test_unlimited_buffer_changes_nothing():
     d = one_cell(lam=8.0, buffer=None)
-    a = dl.simulate(dl.scenario_from_dict(d), "rand", tick=H, horizon=5.0, n_save=10)
+    a = dl.simulate(dl.scenario_from_dict(d), "rand", tick=H, horizon=10.0, n_save=200)
     d["cells"][0]["buffer"] = 1e12
-    b = dl.simulate(dl.scenario_from_dict(d), "rand", tick=H, horizon=5.0, n_save=10)
+    b = dl.simulate(dl.scenario_from_dict(d), "rand", tick=H, horizon=10.0, n_save=200)
     np.testing.assert_array_equal(np.asarray(a.N), np.asarray(b.N))
     assert float(a.drops.max()) == 0.0
 

@@ -54,22 +54,25 @@ def test_files_and_rows(first_run):
 
 
 def test_rand_rows_match_a_direct_simulation(first_run):
-    # The runner's Rand latency is the plain simulator's on the same generated scenario.
+    # The runner's Rand latencies are the plain simulator's on the same generated scenarios
+    # (stacked and padded to the generator's largest network, as the runner's batch: its
+    # compiled program serves this run too).
     out, _ = first_run
     from dlbfluid._evaluation.generator import generate, scenario_dicts
 
     gen = generate(0, 2)
-    d = scenario_dicts(gen, event="burst", trial=0, horizon=6.0, fluctuation=0.1)[1]
-    sol = dl.simulate(
-        dl.scenario_from_dict(d, allow_overload=True),
-        "rand",
-        tick=0.1,
-        horizon=6.0,
-        n_save=10,
-        error_aversion=dl.ErrorAversion(),
+    ds = scenario_dicts(gen, event="burst", trial=0, horizon=6.0, fluctuation=0.1)
+    batch = dl.stack_scenarios(
+        [dl.scenario_from_dict(d, allow_overload=True) for d in ds], n_cells=gen.max_cells
     )
-    row = [r for r in _rows(out / "results.csv") if r["policy"] == "rand"][1]
-    assert float(row["mean_latency"]) == pytest.approx(float(sol.mean_latency(1.0)), rel=1e-9)
+    sol = dl.simulate(
+        batch, "rand", tick=0.1, horizon=6.0, n_save=10, error_aversion=dl.ErrorAversion()
+    )
+    rows = [r for r in _rows(out / "results.csv") if r["policy"] == "rand"]
+    assert [r["scenario"] for r in rows] == ["0", "1"]
+    got = [float(r["mean_latency"]) for r in rows]
+    np.testing.assert_allclose(got, np.asarray(sol.mean_latency(1.0)), rtol=1e-9)
+    assert abs(got[0] - got[1]) > 1e-3  # (two different scenarios)
 
 
 def test_resume_after_a_kill_recomputes_only_the_torn_unit(first_run, tmp_path, monkeypatch):
