@@ -78,12 +78,13 @@ def test_kept_equilibrium_solver_is_not_traced_again(tmp_path, fresh):
 
 def test_kept_simulation_equals_the_plain_one(tmp_path, fresh):
     scn = dl.scenario_from_dict(THREE)
-    kw = dict(step_size=0.2, tick=0.1, horizon=3.0, n_save=6)
-    plain = dl.simulate(scn, "flow-lat", **kw)
+    # (the standard shape of tests/test_simulate.py: THREE alone, Fast(), 40 saves)
+    kw = dict(step_size=0.2, tick=0.1, horizon=4.0, n_save=40)
+    plain = dl.simulate(scn, "flow-grad", **kw)
     with _exported.exporting(tmp_path):
-        kept = dl.simulate(scn, "flow-lat", **kw)
+        kept = dl.simulate(scn, "flow-grad", **kw)
         # a progress callback cannot be exported: that call is traced as usual
-        shown = dl.simulate(scn, "flow-lat", progress=True, **kw)
+        shown = dl.simulate(scn, "flow-grad", progress=True, **kw)
     assert len(list((tmp_path / "exported").glob("simulate-*.jaxexport"))) == 1
     for s in (kept, shown):
         assert s.status_names() == "success"
