@@ -122,6 +122,12 @@ def both_laws(d: dict, **kwargs):
     return dl.pad_scenario(s, s.n_cells, laws=LAWS, est_laws=LAWS)
 
 
+# The request-level tests' short runs of one M/M/1 cell with a replica schedule share one
+# compiled program (`simulate_requests`' static configuration: these sizes, the policy and
+# the scenario's shapes; tests/test_requests.py and tests/test_requests_outage.py).
+REQUESTS_SHORT = dict(trials=2, horizon=1.0, tick=0.25, n_save=4, slots=16, events=64)
+
+
 def contract_batch():
     """The contract batch of tests/test_contracts.py (`test_policy_contract`'s `mixed`):
     THREE, the two-M/M/1 network (tau = 0.07, padded to 3 cells) and THREE with a NaN base

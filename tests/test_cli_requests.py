@@ -210,7 +210,9 @@ def test_servers_on_a_non_mm1_cell_is_refused(tmp_path, capsys):
     assert rc == 2 and "servers" in cap.err and "usage:" not in cap.err
 
 
-EXP = ["baseline", "--scenarios", "1", "--trials", "2", "--horizon", "2", "--tick", "0.05",
+# The outage kind (a replica schedule in every scenario): this test also holds the check of
+# `experiment outage --model requests` (the request-level runs through an outage).
+EXP = ["outage", "--scenarios", "1", "--trials", "2", "--horizon", "2", "--tick", "0.05",
        "--policies", "rand", "disc-lat", "--no-progress", "--json"]  # fmt: skip
 
 
@@ -226,10 +228,12 @@ def test_experiment_at_request_level_beside_the_fluid_model(tmp_path, capsys):
     res = json.loads(cap.out)
     assert res["config"]["model"] == "requests" and res["config"]["service"] == "markov"
     summ = {s["policy"]: s for s in res["summary"]}
+    assert set(summ) == {"rand", "disc-lat"}
     for s in summ.values():
         assert s["model"] == "requests" and s["failed"] == 0
         assert {"p90", "p90_latency", "fluid_normalized_latency", "fluid_mean_latency",
                 "fluid_error_rate"} <= set(s)  # fmt: skip
+        assert s["p90"] is not None and math.isfinite(s["p90"]) and s["p90"] > 0
     assert summ["rand"]["p90"] == 1.0 == summ["rand"]["normalized_latency"]
     # The summary is the rows' normalised p90: each run's p90 over Rand's on the same trial.
     rows = _rows(req / "results.csv")

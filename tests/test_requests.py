@@ -14,6 +14,7 @@ import functools
 import math
 
 import helpers
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,6 +45,9 @@ def one_cell(lam=LAM, mu=MU, **extra) -> dict:
         ],
         "latency": [[0.0]],
     }
+
+
+SCHEDULE = {"times": [0.0, 0.5], "replicas": [4, 2]}  # (a cell of 4 replicas, 2 from 0.5 s)
 
 
 def static_three() -> dict:
@@ -354,17 +358,11 @@ def test_policies_trace(policy, monkeypatch):
     is replaced by zeros of its output shapes): a tie rule held as a string
     (`DiscreteRouting`), a precomputed schedule (MNLB), a wrapper with state
     (`ErrorAverse`)."""
-    import equinox as eqx
-
-    from dlbfluid._requests import simulate as driver
-
-    run = driver._run
-
-    def shapes_only(*args):
-        out = eqx.filter_eval_shape(run, *args)
+    def shapes_only(dyn, static):
+        out = jax.eval_shape(lambda d: req_sim._run_arrays(d, static), dyn)
         return {k: jnp.zeros(v.shape, v.dtype) for k, v in out.items()}
 
-    monkeypatch.setattr(driver, "_run", shapes_only)
+    monkeypatch.setattr(req_sim, "_jitted", lambda: shapes_only)
     pol = (
         dlbfluid.ErrorAverse(dlbfluid.policy_from_name("flow-lat"))
         if policy == "error-averse"
@@ -422,8 +420,8 @@ def test_progress_lines_and_bitwise_equal_results(monkeypatch, capsys):
     arrived so far and the events; the results are bitwise those without progress. Control:
     without it, nothing on stderr."""
     monkeypatch.setattr(req_sim, "Progress", functools.partial(req_sim.Progress, interval=0.0))
-    kw = dict(trials=2, horizon=2.0, tick=0.25, n_save=4, slots=SLOTS)
-    scn = scenario_from_dict(one_cell())
+    kw = helpers.REQUESTS_SHORT  # (without progress: the program of the outage tests' short run)
+    scn = scenario_from_dict(one_cell(replicas=4, replica_schedule=SCHEDULE, buffer=8.0))
     plain = simulate_requests(scn, "rand", **kw)
     assert capsys.readouterr().err == ""
     shown = simulate_requests(scn, "rand", progress=True, **kw)

@@ -1,17 +1,17 @@
 """Replica schedules in the request-level twin (theory/requests.md, *Replica schedules*):
 the markov cell's law at its running fraction, server cells capped by their running
-servers, the fluid limit through an outage, and `experiment outage --model requests`."""
+servers, and the fluid limit through an outage (`experiment outage --model requests`:
+tests/test_cli_requests.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 
+import helpers
 import numpy as np
 import pytest
 
 from dlbfluid import scenario_from_dict, simulate, simulate_requests, stack_scenarios
-from dlbfluid._cli import main
 
 
 def mean_se(v):
@@ -94,8 +94,7 @@ def test_markov_drops_the_excess_of_a_shrunk_buffer():
     d = cell(0.0, 1e-6, 4, {"times": [0.0, 0.5], "replicas": [4, 1]})
     d["cells"][0]["buffer"] = 8.0
     d["initial"] = {"workload": [8.0]}
-    sol = simulate_requests(scenario_from_dict(d), "rand", trials=2, horizon=1.0, tick=0.25,
-                            n_save=4, slots=16)  # fmt: skip
+    sol = simulate_requests(scenario_from_dict(d), "rand", **helpers.REQUESTS_SHORT)
     assert np.asarray(sol.count)[0, :, 0].tolist() == [8, 8, 8, 2, 2]
     assert np.asarray(sol.drops).tolist() == [[6], [6]]
 
@@ -145,10 +144,11 @@ SCALES = (4, 64)
 
 
 def outage_pair(schedule: bool) -> dict:
+    """Without the outage, a schedule that keeps both replicas (the same shapes: one
+    compiled fluid program for both)."""
     a = {"name": "a", "arrival_rate": 1.5, "replicas": 2,
-         "service": {"model": "mm1", "capacity": 2.0}}  # fmt: skip
-    if schedule:
-        a["replica_schedule"] = {"times": [0.0, 1.0], "replicas": [2, 1]}
+         "service": {"model": "mm1", "capacity": 2.0},
+         "replica_schedule": {"times": [0.0, 1.0], "replicas": [2, 1 if schedule else 2]}}  # fmt: skip
     b = {"name": "b", "arrival_rate": 0.0, "replicas": 1,
          "service": {"model": "mm1", "capacity": 1.0}}  # fmt: skip
     return {"name": "pair", "cells": [a, b], "latency": [[0.0, 0.03], [0.03, 0.0]],
@@ -180,21 +180,7 @@ def test_fluid_limit_holds_through_an_outage():
 
 
 # ----------------------------------------------------------------------------------------
-# (d) the outage experiment at request level
+# (d) the outage experiment at request level: tests/test_cli_requests.py,
+# test_experiment_at_request_level_beside_the_fluid_model, runs `experiment outage --model
+# requests` (two policies, finite p90, Rand's normalised p90 1, the fluid beside it)
 # ----------------------------------------------------------------------------------------
-
-
-def test_outage_experiment_runs_at_request_level(tmp_path, capsys):
-    argv = ["experiment", "outage", "--scenarios", "1", "--trials", "1", "--horizon", "2",
-            "--tick", "0.05", "--policies", "rand", "disc-lat", "--no-progress", "--json",
-            "--model", "requests", "--out", str(tmp_path / "o")]  # fmt: skip
-    rc = main(argv)
-    cap = capsys.readouterr()
-    assert rc == 0, cap.err
-    res = json.loads(cap.out)
-    summ = {s["policy"]: s for s in res["summary"]}
-    assert set(summ) == {"rand", "disc-lat"}
-    for s in summ.values():
-        assert s["model"] == "requests" and s["failed"] == 0
-        assert s["p90"] is not None and math.isfinite(s["p90"]) and s["p90"] > 0
-    assert summ["rand"]["p90"] == 1.0
