@@ -1,5 +1,7 @@
 """The accelerator run of issue #11 item 4: 10,000 App.-B scenarios x 600 s of simulated
 time at 1 ms ticks in float32 (6e9 scenario-ticks), measured on a chunk and projected.
+(`--model requests`: the request-level twin's run of issue #32 item 4 instead,
+accelerator_requests.py; `--model fluid`, the default, is described here.)
 
 Goal: the full run in under `--goal-s` (60) seconds on one NVIDIA H200. The script does not
 need the full run to say whether it would meet that: it simulates the first
@@ -52,6 +54,7 @@ stdout (and `--out`), a Markdown table to stderr; timing, memory, the environmen
 e.g.:
 
     python benchmarks/accelerator.py                        # on the accelerator
+    python benchmarks/accelerator.py --model requests       # the request-level twin
     python benchmarks/accelerator.py --scale 0.001 \\
         --out benchmarks/results/accelerator_cpu_scale.json  # on a CPU
 """
@@ -542,7 +545,17 @@ def mass_residual(sol) -> float:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    # `--model requests`: the request-level twin (accelerator_requests.py); `fluid` (default)
+    # the fluid model below.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default="fluid", choices=("fluid", "requests"))
+    model, rest = pre.parse_known_args(argv)
+    if model.model == "requests":
+        import accelerator_requests
+
+        dl.use_cpu_cores()
+        return accelerator_requests.main(rest)
+    args = parse_args(rest)
     # Every core a CPU device (simulate shards the batch over them), as `dlbfluid experiment`
     # runs; nothing changes on an accelerator or where XLA_FLAGS already chose.
     dl.use_cpu_cores()

@@ -58,7 +58,7 @@ def scenarios(batch: int, horizon: float, seed: int):
 
 
 def rate_table(scn) -> np.ndarray:
-    """`(n, top)`: $\mu_j(N)$ for $N = 0..B_j+1$ (the peer looks rates up, untimed)."""
+    r"""`(n, top)`: $\mu_j(N)$ for $N = 0..B_j+1$ (the peer looks rates up, untimed)."""
     buf = np.asarray(scn.buffer)
     top = int(np.nanmax(np.where(np.isfinite(buf), buf, 4096))) + 2
     N = jnp.arange(top, dtype=jnp.float64)[:, None] * jnp.ones((1, scn.n_cells))
@@ -116,9 +116,11 @@ def simpy_scenario(scn, x, table, horizon: float, seed: int) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
-def ours(scns, policy, horizon, dtype, repeats):
-    batch = dlbfluid.stack_scenarios(scns)
-    kw = dict(horizon=horizon, n_save=10, dtype=dtype, trials=1)
+def ours(scns, policy, horizon, dtype, repeats, trials=1):
+    """`simulate_requests` on `scns` (a list, or a batch already stacked) with `trials`
+    runs per scenario: the first call's compile seconds and the best steady call."""
+    batch = scns if isinstance(scns, dlbfluid.Scenario) else dlbfluid.stack_scenarios(scns)
+    kw = dict(horizon=horizon, n_save=10, dtype=dtype, trials=trials)
     t = H.timed(lambda: simulate_requests(batch, policy, **kw), repeats)
     sol, first, compile_s, best = t.result, t.first_call_s, t.compile_s, t.wall_s
     cpu = t.cpus_s[t.walls_s.index(best)]
