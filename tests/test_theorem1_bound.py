@@ -168,11 +168,15 @@ def honest_runs(request, catalogue_equilibrium):
     terms = batch_start_terms(cost, consts, scn, eqN, eqx_, sol.N[:, 0], sol.x[:, 0], eta)
     chk = batch_theorem1_check(cost, consts, terms, scn, eqN, eqx_, eta, jnp.full(len(scns), H),
                                sol.t, sol.N, sol.x)  # fmt: skip
-    # (the catalogue's equilibria stacked: the batch's own solve would compile the solver
-    # again at the batch's shape)
-    crit = batch_critical_step_size(batch, pol, SimpleNamespace(N=eqN, x=eqx_))
+    # eta* from the catalogue's equilibria (the batch's own solve would compile the solver
+    # again at the batch's shape), two runs at a time: the shape of verify's chunks, whose
+    # compiled search the run shares
+    eta_star = np.concatenate([np.asarray(batch_critical_step_size(
+        jax.tree_util.tree_map(lambda a, k=k: a[k : k + 2], batch), pol,
+        SimpleNamespace(N=eqN[k : k + 2], x=eqx_[k : k + 2])).critical_step_size)
+        for k in range(0, len(scns), 2)])  # fmt: skip
     return dict(cost=cost, batch=batch, sol=sol, consts=consts, terms=terms, chk=chk, eta=eta,
-                eqN=eqN, eqx=eqx_, eta_star=np.asarray(crit.critical_step_size), eqs=eqs,
+                eqN=eqN, eqx=eqx_, eta_star=eta_star, eqs=eqs,
                 scns=scns)  # fmt: skip
 
 
