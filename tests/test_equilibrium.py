@@ -402,40 +402,6 @@ def test_batch_equals_loop_and_no_recompile():
     assert float(single2.z.sum()) == pytest.approx(0.3, rel=1e-13)
 
 
-def test_compacted_batch_equals_scenario_by_scenario():
-    """A batch of at least `compact_min` scenarios (per device) finishes each stage's
-    stragglers on compacted sub-batches (`EquilibriumSolver.solve_local`). Every scenario
-    must make exactly the passes it makes alone: iteration counts equal those of a plain
-    `vmap` of `solve_one`, and the workloads agree to rounding. (The threshold is lowered,
-    a field of the solver, so that a small batch is compacted and the solver is traced
-    here. The plain `vmap` is the default solver's own program on batches of 8, below its
-    threshold: the standard 4-cell program the other tests of this module compile, with
-    the solver's own XLA options: other options round differently, and a last-bit
-    difference can move a stopping test by one pass.)"""
-    solver = eqm.EquilibriumSolver(compact_min=16)
-    rng = np.random.default_rng(12)
-    scns = [random_mm1(rng, load=float(rng.uniform(0.5, 0.97)))[0] for _ in range(37)]
-    scns += [heavy_residency(0.99), heavy_residency(0.9), dl.scenario_from_dict(THREE)]
-    batch = dl.stack_scenarios(scns, n_cells=4)
-    before = eqm._TRACES["gradient"]
-    sol = solve_equilibrium(batch, "gradient", solver=solver)
-    assert eqm._TRACES["gradient"] == before + 1  # traced here, with the lowered threshold
-    assert np.all(np.asarray(sol.status) == EQ_STATUS["success"])
-    assert solver.compact_min <= 40 < eqm.EquilibriumSolver().compact_min
-    parts = [
-        solve_equilibrium(dl.stack_scenarios(scns[k : k + 8], n_cells=4), "gradient")
-        for k in range(0, len(scns), 8)
-    ]
-    it = np.asarray(sol.iterations)
-    np.testing.assert_array_equal(it, np.concatenate([np.asarray(p.iterations) for p in parts]))
-    # the batch has stragglers: the compacted levels did run
-    assert it.max() - np.median(it) >= 3
-    np.testing.assert_allclose(
-        np.asarray(sol.N), np.concatenate([np.asarray(p.N) for p in parts]), rtol=1e-12, atol=1e-14
-    )
-    assert float(np.max(sol.kkt_residual)) <= 1e-10
-
-
 def test_non_convergence_is_a_status_not_a_crash():
     rng = np.random.default_rng(6)
     batch = dl.stack_scenarios([random_mm1(rng)[0] for _ in range(3)], n_cells=4)
@@ -446,40 +412,6 @@ def test_non_convergence_is_a_status_not_a_crash():
     assert list(sol.status_names()) == ["not_converged"] * 3
     with pytest.raises(EquilibriumError, match="did not reach"):
         solve_equilibrium(heavy_residency(0.99), "gradient", max_iters=1)
-
-
-def test_failed_early_polish_resumes_the_interior_point():
-    """Stage 2 starts early (barrier gap `InteriorPoint.switch_gap`); when that polish fails
-    the solver resumes stage 1 from the point it left and polishes again at the full
-    barrier gap.
-
-    With the switch forced to a barely centred point (gap 1) and a weak polish (8 undamped
-    steps) the early polish alone ends far from the equilibrium (retry disabled:
-    `ActiveSetPolish.retry` huge); with the retry the result is certified and equals the
-    default solve."""
-    s = heavy_residency(0.99)
-    ref = solve_equilibrium(s, "gradient")
-
-    # (`retry` an array: one compiled program serves both settings)
-    @eqx.filter_jit
-    def solve(solver, sc, lam):
-        return solver.solve_one(sc, lam, 1e-10, 200, "gradient")
-
-    def run(retry):
-        solver = eqm.EquilibriumSolver(
-            interior_point=eqm.InteriorPoint(switch_gap=1.0),
-            polish=eqm.ActiveSetPolish(retry=jax.numpy.asarray(retry), iters=8, damping=0.0),
-        )
-        return solve(solver, s.strip(), s.arrival_rate(0.0))
-
-    once = run(1e300)
-    assert int(once["status"]) == EQ_STATUS["not_converged"]
-    assert float(once["kkt_residual"]) > 1e-6
-    again = run(1e-2)
-    assert int(again["status"]) == EQ_STATUS["success"]
-    assert float(again["kkt_residual"]) <= 1e-10
-    assert int(again["iterations"]) > int(once["iterations"])
-    np.testing.assert_allclose(np.asarray(again["N"]), np.asarray(ref.N), rtol=1e-10)
 
 
 def test_overloaded_demand_names_cells_and_sources():
@@ -649,6 +581,80 @@ def test_mmatrix_factor_serves_several_right_hand_sides():
     # the residual is at rounding level relative to |S||u|
     res = S @ both - b
     assert np.max(np.abs(res)) <= 1e-12 * np.max(np.abs(S) @ np.abs(both))
+
+
+# ----------------------------------------------------------------------------------------
+# Solvers of their own (last: the programs they add take the worker past the memory limit
+# of tests/conftest.py, and the shared per-cost programs above would be traced again after)
+# ----------------------------------------------------------------------------------------
+
+
+def test_failed_early_polish_resumes_the_interior_point():
+    """Stage 2 starts early (barrier gap `InteriorPoint.switch_gap`); when that polish fails
+    the solver resumes stage 1 from the point it left and polishes again at the full
+    barrier gap.
+
+    With the switch forced to a barely centred point (gap 1) and a weak polish (8 undamped
+    steps) the early polish alone ends far from the equilibrium (retry disabled:
+    `ActiveSetPolish.retry` huge); with the retry the result is certified and equals the
+    default solve."""
+    s = heavy_residency(0.99)
+    ref = solve_equilibrium(s, "gradient")
+
+    # (`retry` an array: one compiled program serves both settings)
+    @eqx.filter_jit
+    def solve(solver, sc, lam):
+        return solver.solve_one(sc, lam, 1e-10, 200, "gradient")
+
+    def run(retry):
+        solver = eqm.EquilibriumSolver(
+            interior_point=eqm.InteriorPoint(switch_gap=1.0),
+            polish=eqm.ActiveSetPolish(retry=jax.numpy.asarray(retry), iters=8, damping=0.0),
+        )
+        return solve(solver, s.strip(), s.arrival_rate(0.0))
+
+    once = run(1e300)
+    assert int(once["status"]) == EQ_STATUS["not_converged"]
+    assert float(once["kkt_residual"]) > 1e-6
+    again = run(1e-2)
+    assert int(again["status"]) == EQ_STATUS["success"]
+    assert float(again["kkt_residual"]) <= 1e-10
+    assert int(again["iterations"]) > int(once["iterations"])
+    np.testing.assert_allclose(np.asarray(again["N"]), np.asarray(ref.N), rtol=1e-10)
+
+
+def test_compacted_batch_equals_scenario_by_scenario():
+    """A batch of at least `compact_min` scenarios (per device) finishes each stage's
+    stragglers on compacted sub-batches (`EquilibriumSolver.solve_local`). Every scenario
+    must make exactly the passes it makes alone: iteration counts equal those of a plain
+    `vmap` of `solve_one`, and the workloads agree to rounding. (The threshold is lowered,
+    a field of the solver, so that a small batch is compacted and the solver is traced
+    here. The plain `vmap` is the default solver's own program on batches of 8, below its
+    threshold: the standard 4-cell program the other tests of this module compile, with
+    the solver's own XLA options: other options round differently, and a last-bit
+    difference can move a stopping test by one pass.)"""
+    solver = eqm.EquilibriumSolver(compact_min=16)
+    rng = np.random.default_rng(12)
+    scns = [random_mm1(rng, load=float(rng.uniform(0.5, 0.97)))[0] for _ in range(37)]
+    scns += [heavy_residency(0.99), heavy_residency(0.9), dl.scenario_from_dict(THREE)]
+    batch = dl.stack_scenarios(scns, n_cells=4)
+    before = eqm._TRACES["gradient"]
+    sol = solve_equilibrium(batch, "gradient", solver=solver)
+    assert eqm._TRACES["gradient"] == before + 1  # traced here, with the lowered threshold
+    assert np.all(np.asarray(sol.status) == EQ_STATUS["success"])
+    assert solver.compact_min <= 40 < eqm.EquilibriumSolver().compact_min
+    parts = [
+        solve_equilibrium(dl.stack_scenarios(scns[k : k + 8], n_cells=4), "gradient")
+        for k in range(0, len(scns), 8)
+    ]
+    it = np.asarray(sol.iterations)
+    np.testing.assert_array_equal(it, np.concatenate([np.asarray(p.iterations) for p in parts]))
+    # the batch has stragglers: the compacted levels did run
+    assert it.max() - np.median(it) >= 3
+    np.testing.assert_allclose(
+        np.asarray(sol.N), np.concatenate([np.asarray(p.N) for p in parts]), rtol=1e-12, atol=1e-14
+    )
+    assert float(np.max(sol.kkt_residual)) <= 1e-10
 
 
 def test_near_capacity_social_optimum():
