@@ -141,4 +141,10 @@ def contract_batch():
 
 
 CONTRACT_RUN = dict(step_size=0.3, tick=0.05, horizon=2.0, n_save=40)
-"""`simulate`'s options in the contract run (40 ticks, a save at each)."""
+"""`simulate`'s options in the contract run (40 ticks, a save at each).
+
+The simulate programs most tests share (per policy, dtype and integrator): THREE alone
+(unbatched) or a batch of 3 three-cell scenarios with both laws, `Fast()`, 33-64 saves
+(`n_save` is compiled in buckets: 40 is the tests' choice) and delays below 3 ticks (four
+ring slots: THREE at a tick of 0.05 or 0.1). The step size, tick and horizon are values,
+not shapes (the horizon is static only for MNLB's schedule)."""
