@@ -428,13 +428,19 @@ def test_own_scan_over_step_reproduces_simulate(three):
     s = dl.simulator(three, "flow-grad", step_size=0.3, tick=H)
     assert isinstance(s, dl.Simulator)
 
-    def body(state, k):
-        state = s.step(state, k)
-        return state, s.record(state, k + 1)
+    # (one compiled scan for both simulators below: their arrays are arguments)
+    @eqx.filter_jit
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def run(sim, st):
+        def body(state, k):
+            state = sim.step(state, k)
+            return state, sim.record(state, k + 1)
+
+        return jax.lax.scan(body, st, jnp.arange(K))
 
     state0 = s.init()
     assert isinstance(state0, dl.SimState)
-    state, recs = jax.jit(lambda st: jax.lax.scan(body, st, jnp.arange(K)))(state0)
+    state, recs = run(s, state0)
     first = s.record(state0, 0)
     assert isinstance(first, dl.SavePoint)
     for f in ("t", "N", "x", "arrivals", "departures", "source_arrivals", "workload_integral",
@@ -446,8 +452,7 @@ def test_own_scan_over_step_reproduces_simulate(three):
     assert float(np.max(np.abs(np.asarray(recs.N[-1] - first.N)))) > 0.1  # it moved
     # A different step size is a different trajectory (the comparison can fail).
     other = dl.simulator(three, "flow-grad", step_size=0.1, tick=H)
-    moved = jax.jit(lambda st: jax.lax.scan(lambda c, k: (other.step(c, k), None), st,
-                                            jnp.arange(K))[0])(other.init())
+    moved, _ = run(other, other.init())
     assert float(np.max(np.abs(np.asarray(moved.N) - np.asarray(sol.N[-1])))) > 1e-4
 
 
