@@ -392,31 +392,31 @@ def test_mass_balance_status_flags_lost_requests_only():
 
 def test_chunks_change_the_speed_not_the_numbers(capsys):
     """`chunk` (scenarios advanced together on a device) is a speed knob: chunks of 2 of a
-    batch of 5 (three chunks, the last padded) give the whole batch's numbers to rounding,
+    batch of 3 (two chunks, the last padded) give the whole batch's numbers to rounding,
     with equal ticks (one tick loop per chunk) and with a tick per scenario (a loop per
     scenario). Each chunk runs all of its saves, and the progress line counts the save
-    intervals of every chunk (6 x 3 on one device), ending at its total."""
-    rng = np.random.default_rng(11)
-    scns = [dl.scenario_from_dict(random_scenario(rng, 4, max_tau=0.12)) for _ in range(5)]
-    batch = dl.stack_scenarios(scns)
-    assert sim.default_chunk(4) == dl.SimulateOptions().cpu_chunk > 5  # so it runs whole
-    ticks = np.array([0.01, 0.02, 0.01, 0.02, 0.01])
-    for tick in (0.02, ticks):
-        kw = dict(step_size=0.5, tick=tick, horizon=0.6, n_save=6)
+    intervals of every chunk (20 x 2 on one device), ending at its total. (The batch with
+    equal ticks run whole is the standard one: test_contracts' Flow-Grad program.)"""
+    scns = [dl.scenario_from_dict(d) for d in (THREE, two_mm1(tau=0.07), THREE)]
+    batch = dl.stack_scenarios(scns, laws=LAWS)
+    assert sim.default_chunk(3) is None  # so it runs whole
+    ticks = np.array([0.05, 0.1, 0.05])
+    for tick, n_save in ((0.05, N_SAVE), (ticks, 20)):
+        kw = dict(step_size=0.5, tick=tick, horizon=2.0, n_save=n_save)
         whole = dl.simulate(batch, "flow-grad", **kw)
         parts = dl.simulate(batch, "flow-grad", chunk=2, progress=tick is ticks, **kw)
-        assert list(whole.status_names()) == list(parts.status_names()) == ["success"] * 5
+        assert list(whole.status_names()) == list(parts.status_names()) == ["success"] * 3
         for f in ("N", "x", "arrivals", "departures", "workload_integral", "in_flight"):
             a, b = np.asarray(getattr(whole, f)), np.asarray(getattr(parts, f))
             np.testing.assert_allclose(b, a, rtol=1e-13, atol=1e-13, err_msg=f)
         assert float(np.max(np.abs(np.asarray(whole.N[:, -1] - whole.N[:, 0])))) > 1e-3
     ndev = jax.local_device_count()
-    share = -(-5 // ndev)  # scenarios per device
-    total = 6 * -(-share // 2) * ndev  # saves x chunks of a share x devices
+    share = -(-3 // ndev)  # scenarios per device
+    total = 20 * -(-share // 2) * ndev  # saves x chunks of a share x devices
     err = capsys.readouterr().err
     assert f" {total}/{total} " in err and f"{total + 1}/" not in err, err[-300:]
     with pytest.raises(ValueError, match="chunk = 0 is invalid"):
-        dl.simulate(batch, "flow-grad", chunk=0, tick=0.02, horizon=0.6, n_save=6)
+        dl.simulate(batch, "flow-grad", chunk=0, tick=0.05, horizon=2.0, n_save=N_SAVE)
 
 
 def test_own_scan_over_step_reproduces_simulate(three):
