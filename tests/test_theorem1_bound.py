@@ -343,25 +343,43 @@ def _cold_pair():
 
 @pytest.mark.parametrize("cost", list(COSTS))
 def test_the_inverse_sqrt_schedule_holds_where_its_steps_stay_below_eta0(cost):
-    """Theorem 1's T^-1/2 schedule on the pair (tau 0.5) from a cold start (N = 0, every
-    request to the left cell, so A = lambda |x0 - x*|^2 = 1/2): c = sqrt(A/G1), T0 =
-    (c/eta0)^2 rounded up to whole ticks, rungs T0 2^k (k = 0, 1: 2,640 and 5,280 ticks),
-    eta_k = c T_k^-1/2 <= eta0. Every
-    run holds the bound at every saved horizon and every estimate; the bound's log-log
-    slope lies in [-1, -1/2], and at each rung the measured time average is below it.
-    Measured: T0 = 263.8-264 s for the three costs, bound / measured 4.6-13.5 (worst ratio
-    over the saved horizons 0.09-0.25), bound slope -0.53; at 3 rungs (to 10,560 ticks) the
-    same within 4.3-13.5, the same to 5 digits at h = 0.1 and 0.05."""
-    s = _cold_pair()
-    eq = dl.solve_equilibrium(s, cost)
-    consts = theorem1_constants(s, eq, cost=cost)
+    """Theorem 1's T^-1/2 schedule on the pair (tau 0.5) started empty, the origin's
+    routing at distance d from x* = (0, 1/2, 1/2): x0 = (0, 1/2 + d, 1/2 - d), so
+    A = lambda |x0 - x*|^2 = 2 d^2, with d chosen so that (c/eta0)^2 = A/(G1 eta0^2) = 24.95 s:
+    c = sqrt(A/G1), T0 = (c/eta0)^2 rounded up to whole ticks = 25 s, six rungs T0 r^k of
+    ratio r = 2^(1/5) (to whole ticks) up to 2 T0 = 50 s, eta_k = c T_k^-1/2 <= eta0 (six
+    runs of 500 ticks: the batch and horizon of `honest_runs`, whose compiled simulation,
+    start terms and check the schedule's runs share). Every run holds the bound at every
+    saved horizon and every estimate; the bound's log-log slope lies in [-1, -1/2], and at
+    each rung the measured time average is below it. Measured: d = 0.154 for the three
+    costs, bound / measured 46-82 (latency, RIF) and 1,360-2,530 (gradient) over the rungs,
+    worst ratio over the saved horizons 0.001-0.022, bound slope -0.69 to -0.68. (The bound
+    is looser this close to x* and this early than from a cold start sending everything
+    left, A = 1/2: there T0 = 264 s and bound / measured 4.3-13.5 over three rungs of ratio
+    2 to 10,560 ticks, the same to 5 digits at h = 0.1 and 0.05, but those runs compile
+    their own simulation, start terms and check per cost, about 6 s each; the bound's
+    verdict on runs where it is tight is `test_bound_and_every_estimate_hold_inside_the_
+    hypothesis`'s, worst ratio above 1e-3.)"""
+    s0 = both_laws(symmetric_pair(0.5))
+    eq = dl.solve_equilibrium(s0, cost)
+    consts = theorem1_constants(s0, eq, cost=cost)
     eta0, G1 = float(consts.eta0), float(consts.G1)
+    d = np.sqrt(24.95 * G1 * eta0**2 / 2)
+    assert 0.05 < d < 0.5
+    s = dataclasses.replace(
+        s0,
+        initial_workload=jnp.zeros(3),
+        initial_routing=jnp.asarray([[0.0, 0.5 + d, 0.5 - d], [0, 1, 0], [0, 0, 1]]),
+    )
+    r = 2.0 ** (1 / 5)
     res = dl.theorem1_schedule(s, eq, cost=cost,
-                               schedule=dl.Theorem1Schedule(rungs=2, ratio=2.0, tick=H))  # fmt: skip
-    c = np.sqrt(0.5 / G1)
+                               schedule=dl.Theorem1Schedule(rungs=6, ratio=r, tick=H))  # fmt: skip
+    c = np.sqrt(2 * d**2 / G1)
     assert res.c == pytest.approx(c, rel=1e-9)
     T0 = np.ceil((c / eta0) ** 2 / H - 1e-9) * H
-    np.testing.assert_allclose(res.horizons, T0 * 2.0 ** np.arange(2), rtol=1e-12)
+    assert T0 == pytest.approx(25.0, rel=1e-12)
+    np.testing.assert_allclose(res.horizons, np.rint(T0 * r ** np.arange(6) / H) * H, rtol=1e-12)
+    assert res.horizons[-1] == pytest.approx(T, rel=1e-12)
     np.testing.assert_allclose(res.eta * np.sqrt(res.horizons), c, rtol=1e-12)
     assert np.all(res.eta <= eta0) and np.all(res.in_hypothesis)
     assert res.holds, res.record()
