@@ -107,8 +107,9 @@ def test_demo_defaults_to_every_policy(tmp_path):
 def test_demo_runs_both_mechanisms_and_the_baselines(tmp_path, capsys):
     # A discrete and a flow policy of one cost (one equilibrium to solve), Rand and MNLB:
     # every kind of row and panel of the default run at half its compiling (the default
-    # list of policies is checked above).
-    rc = main(["demo", "--horizon", "20", "--tick", "0.1", "--out", str(tmp_path), "--json",
+    # list of policies is checked above). At a tick of 0.05 one RK4 step per tick is
+    # enough for the default network (two at 0.1: a longer program to compile).
+    rc = main(["demo", "--horizon", "20", "--tick", "0.05", "--out", str(tmp_path), "--json",
                "--policies", "disc-grad", "flow-grad", "rand", "mnlb"])
     assert rc == 0
     captured = capsys.readouterr()
