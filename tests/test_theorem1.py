@@ -17,7 +17,7 @@ from helpers import LAWS, THREE, random_scenario, symmetric_pair
 import dlbfluid as dl
 from dlbfluid._cli import main
 from dlbfluid._equilibrium import solve_equilibrium
-from dlbfluid._scenario import scenario_from_dict, stack_scenarios
+from dlbfluid._scenario import pad_scenario, scenario_from_dict, stack_scenarios
 from dlbfluid._stability import batch_critical_step_size, critical_step_size
 from dlbfluid._theorem1 import (
     ESTIMATES,
@@ -37,13 +37,18 @@ KW = dict(chunk=2, n_cells=(2, 3), horizon=20.0, tick=0.1)
 
 
 def _pairs(dicts, cost):
-    """The scenarios two at a time, padded to 3 cells and both laws, with their equilibria."""
+    """The scenarios two at a time, padded to 3 cells and both laws, with their equilibria
+    (each solved alone with both laws: the catalogue's compiled solver of the cost)."""
     out = []
     for k in range(0, len(dicts), 2):
         scns = [scenario_from_dict(d) for d in dicts[k : k + 2]]
         scns += scns[-1:] * (2 - len(scns))
         b = stack_scenarios(scns, n_cells=3, laws=LAWS)
-        out.append((scns, b, solve_equilibrium(b, cost)))
+        eqs = [solve_equilibrium(pad_scenario(s, 3, laws=LAWS, est_laws=LAWS), cost)
+               for s in scns]  # fmt: skip
+        eq = SimpleNamespace(N=np.stack([np.asarray(e.N) for e in eqs]),
+                             x=np.stack([np.asarray(e.x) for e in eqs]))  # fmt: skip
+        out.append((scns, b, eq))
     return out
 
 
