@@ -50,7 +50,7 @@ from .config import KINDS as KINDS
 from .config import POLICIES as POLICIES
 from .config import ExperimentConfig
 from .config import variants as _variants
-from .generator import TOKEN_TIME_CV, generate, scenario_dicts
+from .generator import TOKEN_TIME_CV, _generate_kept, scenario_dicts
 from .step_rule import padded, paper_step_sizes
 
 FIT_SAMPLES = 500
@@ -93,7 +93,7 @@ def _variant_batch(cfg: ExperimentConfig, options: dict):
     routers see them: where the routers' model differs from the truth (`noise`, `fit`),
     a nominal scenario's service is the routers' model, so that nothing a router computes
     (costs, step sizes) comes from the true one."""
-    gen = generate(
+    gen = _generate_kept(
         cfg.seed,
         cfg.scenarios,
         utilisation=options.get("utilisation", cfg.utilisation),

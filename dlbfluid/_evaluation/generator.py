@@ -14,6 +14,7 @@ drawn batch by `scenario_dicts`, which writes the JSON format of `scenario_from_
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -226,6 +227,23 @@ def generate(
         latency=_readonly(lat),
         burst_cell=_readonly(burst.astype(np.int64)),
         outage_order=_readonly(outage_order.astype(np.int64)),
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _generate_kept(
+    seed: int, count: int, *, utilisation: float, duration_scale: float, token_time_cv: float
+) -> GeneratedScenarios:
+    """`generate(seed, count, ...)` kept for the next calls with the same options (the
+    experiment's variants of a tick, noise or fit sweep draw the same scenarios; the
+    buffers' bisection dominates a draw). The result is the same read-only object, so
+    every call sees the same numbers bit for bit."""
+    return generate(
+        seed,
+        count,
+        utilisation=utilisation,
+        duration_scale=duration_scale,
+        token_time_cv=token_time_cv,
     )
 
 
