@@ -226,16 +226,18 @@ def _run_arrays(dyn, static):
     def padded(a):
         return jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]) if pad else a
 
-    args = jax.tree_util.tree_map(padded, (scn, scale, eta, keys))
-    out = per_device(lambda s, k, e, r: _program(s, k, e, r, policy, cfg, report))(*args)
+    real = jnp.arange(B + pad) < B  # (the padding's runs are not reported)
+    args = (*jax.tree_util.tree_map(padded, (scn, scale, eta, keys)), real)
+    out = per_device(lambda s, k, e, r, m: _program(s, k, e, r, policy, cfg, report, m))(*args)
     return {name: a[:B] for name, a in out.items()}
 
 
-def _program(scn, scale, eta, keys, policy, cfg, report=None):
+def _program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
     """The batch: trials `(B,)` of the scenarios, states `(B, R)`, one tick loop for all
     (`run_tick`), the counts saved at `cfg.save_ticks`; `report(requests, events)` after
     each save interval with its arrivals (in the statistics window) and events, when
-    given (a host callback: the loop's arithmetic is unchanged)."""
+    given (a host callback: the loop's arithmetic is unchanged), counting the scenarios
+    where `real` `(B,)` is True (default all)."""
     tr = jax.vmap(lambda s, k, e: _trial(s, k, e, policy=policy, cfg=cfg))(scn, scale, eta)
     st = _batched(init_state)(tr, keys)
     running = jnp.ones(keys.shape[:2], bool)
@@ -247,8 +249,12 @@ def _program(scn, scale, eta, keys, policy, cfg, report=None):
             ticks[s], ticks[s + 1], lambda k, x: run_tick(tr, k, x, running), st
         )
         if report is not None:
-            arrived = jnp.sum(new.stats.arrivals) - jnp.sum(st.stats.arrivals)
-            jax.debug.callback(report, arrived, jnp.sum(new.events - st.events), ordered=False)
+            w = jnp.ones(keys.shape[0], bool) if real is None else real
+            arrived = jnp.sum(
+                jnp.where(w[:, None, None], new.stats.arrivals - st.stats.arrivals, 0)
+            )
+            events = jnp.sum(jnp.where(w[:, None], new.events - st.events, 0))
+            jax.debug.callback(report, arrived, events, ordered=False)
         return new, count(tr, new)
 
     count0 = count(tr, st)
