@@ -15,7 +15,7 @@ import numpy as np
 from .._policies import AbstractPolicy, policy_from_name
 from .._precision import require_x64
 from .._results import RESULTS, view
-from .._runtime.devices import per_device
+from .._runtime.devices import accepted_options, per_device
 from .._runtime.progress import Progress
 from .._scenario import Scenario
 from .._service.base import code as law_code
@@ -184,42 +184,28 @@ _COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 # XLA:CPU's copy insertion with region analysis: without it the loop's state is copied
 # where an in-place update is safe (bench_requests' batch 100 x 5 s, float32: 1.55 against
 # 1.73-1.92 CPU-s, the same results). An option this XLA build does not know is dropped
-# (`_options`), so that it can only make the program faster, never stop it compiling.
+# (`accepted_options`), so that it can only make the program faster, never stop it compiling.
 _CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 @functools.cache
-def _options() -> dict:
-    """`_COMPILER_OPTIONS`, with `_CPU_OPTIONS` where this XLA build compiles a probe with
-    them (their names belong to every backend's option set)."""
-    opts = {**_COMPILER_OPTIONS, **_CPU_OPTIONS}
-    try:
-        jax.jit(lambda x: x + 1, compiler_options=opts).lower(1.0).compile()
-    except Exception:  # noqa: BLE001 - any rejection means: do without them
-        return dict(_COMPILER_OPTIONS)
-    return opts
+def _jitted():
+    """`_run_program` compiled by `eqx.filter_jit` with `_COMPILER_OPTIONS` and the accepted
+    `_CPU_OPTIONS` (built on first use: the probe starts the backend)."""
+    options = {**_COMPILER_OPTIONS, **accepted_options(tuple(_CPU_OPTIONS.items()))}
+    return eqx.filter_jit(_run_program, compiler_options=options)
 
 
 def _run(scn, scale, eta, keys, policy, cfg, report=None):
+    """`_run_program`, compiled (`_jitted`)."""
+    return _jitted()(scn, scale, eta, keys, policy, cfg, report)
+
+
+def _run_program(scn, scale, eta, keys, policy, cfg, report=None):
     """`_program` on each device's share of the batch (`per_device`: every device runs its
     own loops, to the slowest trial of its share, without communication), the batch
     padded to a multiple of the device count with copies of its last scenario. `report`
-    (static): a `_Report` called after every save interval, or None. Compiled once per
-    static part (the arrays' shapes, the policy's and scenario's other fields, `cfg`,
-    `report`), as `eqx.filter_jit` would, with `_options()`."""
-    dyn, fixed = eqx.partition((scn, scale, eta, keys, policy), eqx.is_array)
-    leaves, treedef = jax.tree_util.tree_flatten(fixed)  # (hashable: what filter_jit keys on)
-    return _jitted()(dyn, (tuple(leaves), treedef, cfg, report))
-
-
-@functools.cache
-def _jitted():
-    return jax.jit(_run_arrays, static_argnums=1, compiler_options=_options())
-
-
-def _run_arrays(dyn, static):
-    leaves, treedef, cfg, report = static
-    scn, scale, eta, keys, policy = eqx.combine(dyn, jax.tree_util.tree_unflatten(treedef, leaves))
+    (static): a `_Report` called after every save interval, or None."""
     B, d = keys.shape[0], jax.local_device_count()
     pad = -B % d
 

@@ -30,7 +30,7 @@ _FLOAT64_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
 @functools.cache
-def _accepted(options: tuple) -> dict:
+def accepted_options(options: tuple) -> dict:
     """`options` if this XLA build compiles a probe with them, else `{}` (an older or newer
     jaxlib that does not know one), so that an option can only make a program faster,
     never stop it from compiling."""
@@ -48,9 +48,9 @@ def compiler_options(float32: bool = False) -> dict:
     Each group of options is kept only where this XLA build accepts it. Evaluated on first
     use (not at import, which would start the backend).
     """
-    opts = _accepted(tuple(_SOLVER_OPTIONS.items()))
+    opts = accepted_options(tuple(_SOLVER_OPTIONS.items()))
     if not float32:
-        opts = {**opts, **_accepted(tuple(_FLOAT64_OPTIONS.items()))}
+        opts = {**opts, **accepted_options(tuple(_FLOAT64_OPTIONS.items()))}
     return opts
 
 
