@@ -345,6 +345,16 @@ def _step_check_warned(scn, args) -> dict:
     return check
 
 
+# A run of more ticks than this shows progress when stderr is not a terminal.
+LONG_RUN_TICKS = 20000
+
+
+def _show_progress(args, ticks: float) -> bool:
+    """Progress lines for `simulate`, fluid or request-level: on a terminal, or for a run
+    of more than `LONG_RUN_TICKS` ticks; never with `--no-progress`."""
+    return not args.no_progress and (sys.stderr.isatty() or ticks > LONG_RUN_TICKS)
+
+
 def _simulate_fluid(scn, args):
     """The fluid run of `--policy` (`simulate(..., throw=False)`), with progress on a
     terminal or for a long run."""
@@ -352,7 +362,7 @@ def _simulate_fluid(scn, args):
 
     n_save = min(args.n_save, max(1, int(round(args.horizon / args.tick))))
     ticks = args.horizon / args.tick
-    show = not args.no_progress and (sys.stderr.isatty() or ticks > 20000)
+    show = _show_progress(args, ticks)
     doing(
         "simulate",
         f"simulating {args.policy} for {plural(int(round(ticks)), 'tick')} of {args.tick:g} s",
@@ -420,8 +430,7 @@ def run_requests(args, req: dict) -> int:
         warn("simulate", note)
     n_save = min(args.n_save, K)
     warmup = max(0.0, args.horizon - args.window * args.horizon)
-    # (progress as the fluid run shows it: on a terminal or for a long run)
-    show = not args.no_progress and (sys.stderr.isatty() or K > 20000)
+    show = _show_progress(args, K)
     results: dict[str, dict] = {}
     arrays: dict = {}  # (counts.npz: the save times and each policy's counts)
     t0 = time.perf_counter()
