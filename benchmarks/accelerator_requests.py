@@ -11,7 +11,7 @@ cost does not depend on which scenarios a batch holds beyond their rates.
 
 Protocol:
 
-1. the peer (`bench_requests.simpy_scenario`, `rate_table`) on the first
+1. the peer (`bench_requests.simpy_peer`) on the first
    `--peer-scenarios` scenarios, on the host, first (so that it is in the record whatever
    happens to the device rows);
 2. for each batch in `--batches` (ascending) and each dtype in `--dtypes`: a first call
@@ -46,10 +46,7 @@ import _harness as H
 import bench_requests as R
 import jax
 import jax.numpy as jnp
-import numpy as np
 from _batches import appb_batch
-
-import dlbfluid as dl
 
 DEFAULT_BATCHES = (100, 1_000, 10_000, 100_000)
 
@@ -91,26 +88,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def peer(pool, args) -> dict:
-    """The simpy peer on the first `--peer-scenarios` scenarios (host, in this process)."""
-    req = wall = cpu = 0.0
-    for s, scn in enumerate(pool[: args.peer_scenarios]):
-        x = np.asarray(dl.policy_from_name("rand").initial_routing(scn))
-        table = R.rate_table(scn)
-        t0, c0 = time.perf_counter(), time.process_time()
-        arrived, _ = R.simpy_scenario(scn, x, table, args.horizon, seed=s)
-        wall += time.perf_counter() - t0
-        cpu += time.process_time() - c0
-        req += arrived
-    return {
-        "scenarios": args.peer_scenarios,
-        "requests": int(req),
-        "wall_s": wall,
-        "requests_per_s": req / wall,
-        "requests_per_cpu_s": req / cpu,
-    }
-
-
 def _emit_line(key: str, value) -> None:
     print(json.dumps({key: value}), flush=True)
 
@@ -142,7 +119,7 @@ def main(argv=None):
     P = min(args.pool, max(args.batches))
     t0 = time.perf_counter()
     pool = R.scenarios(min(P, args.peer_scenarios), args.horizon, args.seed)
-    meta["peer_simpy"] = peer(pool, args)
+    meta["peer_simpy"] = R.simpy_peer(pool[: args.peer_scenarios], args.horizon)
     _emit_line("peer_simpy", meta["peer_simpy"])
     batch = appb_batch(10, P, seed=args.seed, horizon=args.horizon)
     meta["build_s"] = time.perf_counter() - t0

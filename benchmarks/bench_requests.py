@@ -116,6 +116,27 @@ def simpy_scenario(scn, x, table, horizon: float, seed: int) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+def simpy_peer(scns, horizon: float) -> dict:
+    """The simpy peer on `scns` (host, in this process, Rand's routing; scenario `s` seeded
+    `s`): requests arrived, and per wall and per CPU second."""
+    req = wall = cpu = 0.0
+    for s, scn in enumerate(scns):
+        x = np.asarray(dlbfluid.policy_from_name("rand").initial_routing(scn))
+        table = rate_table(scn)
+        t0, c0 = time.perf_counter(), time.process_time()
+        arrived, _ = simpy_scenario(scn, x, table, horizon, seed=s)
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+        req += arrived
+    return {
+        "scenarios": len(scns),
+        "requests": int(req),
+        "wall_s": wall,
+        "requests_per_s": req / wall,
+        "requests_per_cpu_s": req / cpu,
+    }
+
+
 def ours(scns, policy, horizon, dtype, repeats, trials=1):
     """`simulate_requests` on `scns` (a list, or a batch already stacked) with `trials`
     runs per scenario: the first call's compile seconds and the best steady call."""
@@ -171,21 +192,7 @@ def main(argv=None):
                 f"({r['requests_per_cpu_s']:.3g} per CPU s), compile {r['compile_s']:.1f} s"
             )
 
-    peer_req = peer_wall = peer_cpu = 0.0
-    for s, scn in enumerate(pool[: args.peer_scenarios]):
-        x = np.asarray(dlbfluid.policy_from_name("rand").initial_routing(scn))
-        table = rate_table(scn)
-        t0, c0 = time.perf_counter(), time.process_time()
-        arrived, _ = simpy_scenario(scn, x, table, args.horizon, seed=s)
-        peer_wall += time.perf_counter() - t0
-        peer_cpu += time.process_time() - c0
-        peer_req += arrived
-    peer = {
-        "scenarios": args.peer_scenarios,
-        "requests": int(peer_req),
-        "requests_per_s": peer_req / peer_wall,
-        "requests_per_cpu_s": peer_req / peer_cpu,
-    }
+    peer = simpy_peer(pool[: args.peer_scenarios], args.horizon)
     for r in rows:
         r["speedup"] = r["requests_per_s"] / peer["requests_per_s"]
         r["cpu_speedup"] = r["requests_per_cpu_s"] / peer["requests_per_cpu_s"]
