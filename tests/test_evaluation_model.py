@@ -78,6 +78,7 @@ def test_replica_outage_scales_the_cell_and_recovers():
     # rate c*mu(N/c) = mu_bar N/(1 + N/c), so N* = lam/(mu_bar - lam/c): 0.6667 -> 2.
     sch = {"times": [0.0, 20.0, 60.0], "replicas": [4, 2, 4]}
     scn = dl.scenario_from_dict(one_cell(lam=4.0, buffer=None, replicas=4, schedule=sch))
+    # (100 saves: test_an_outage_shrinks_the_queue_with_the_servers runs this program)
     sol = dl.simulate(scn, "rand", tick=H, horizon=100.0, n_save=100)
     N = np.asarray(sol.N[:, 0])
     assert N[20] == pytest.approx(4.0 / 6.0, rel=1e-6)
@@ -197,16 +198,20 @@ def test_an_outage_shrinks_the_queue_with_the_servers():
     # 2 replicas, buffer 4, lam = 2 < mu_bar: N* = 2/(10-2) = 0.25 before the outage. At
     # t = 10 one replica is left: the queue holds 2 and the capacity is 5 > lam, no drops;
     # cut the buffer below N*: buffer 0.4 -> 0.2 < N(10^-) = 0.25 drops 0.05 at once.
-    sch = {"times": [0.0, 10.0], "replicas": [2, 1]}
+    # (The schedule's third point, at the horizon, changes nothing: with it and 100 saves,
+    # a save every 0.2 s, the run is test_replica_outage_scales_the_cell_and_recovers'
+    # compiled program.)
+    sch = {"times": [0.0, 10.0, 20.0], "replicas": [2, 1, 1]}
     d = one_cell(lam=2.0, buffer=0.4, replicas=2, schedule=sch)
-    sol = dl.simulate(dl.scenario_from_dict(d), "rand", tick=H, horizon=20.0, n_save=20)
-    assert float(sol.drops[10, 0]) == 0.0
-    assert float(sol.N[10, 0]) == pytest.approx(0.25, rel=1e-9)
+    sol = dl.simulate(dl.scenario_from_dict(d), "rand", tick=H, horizon=20.0, n_save=100)
+    assert float(sol.t[50]) == pytest.approx(10.0) and float(sol.t[75]) == pytest.approx(15.0)
+    assert float(sol.drops[50, 0]) == 0.0
+    assert float(sol.N[50, 0]) == pytest.approx(0.25, rel=1e-9)
     assert float(sol.N.max()) <= 0.4
     assert float(sol.N[-1, 0]) == pytest.approx(0.2, abs=1e-12)
     # Once full at 0.2, the cell serves mu(0.2) = 10*0.2/(1 + 0.2/0.5) and drops the rest.
     mu_full = 10 * 0.2 / (1 + 0.4)
-    rate = float(sol.drops[-1, 0] - sol.drops[15, 0]) / 5.0
+    rate = float(sol.drops[-1, 0] - sol.drops[75, 0]) / 5.0
     assert rate == pytest.approx(2.0 - mu_full, rel=1e-9)
 
 
