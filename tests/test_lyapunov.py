@@ -114,6 +114,9 @@ def test_fit_recovers_synthetic_constants():
 
 def test_requires_per_tick_saves(three):
     s, eq = three
-    sol = dl.simulate(s, "flow-grad", step_size=0.3, tick=0.05, horizon=2.0, n_save=10)
+    # 480 saves of 500 ticks (the 512-save bucket of the drift check's run at h = 0.04: its
+    # compiled program)
+    sol = dl.simulate(s, "flow-grad", step_size=0.3, tick=0.04, horizon=20.0, n_save=480)
+    assert sol.N.shape[0] == 481
     with pytest.raises(ValueError, match="n_save equal to the number of ticks"):
         lyapunov_diagnostics(sol, s, eq, cost="gradient", step_size=0.3)
