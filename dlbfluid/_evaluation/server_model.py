@@ -12,6 +12,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from .._runtime.eager import eager_jit
 from .._service import Softplus
 
 PREFILL_ENGINES = 1
@@ -108,16 +109,22 @@ def server_service(
     }
 
 
+@eager_jit
+def _softplus_latency(p, N):
+    return Softplus().latency(p, N)
+
+
 def softplus_latency(N, capacity, base_latency, knee, width) -> np.ndarray:
     """$\\ell(N) = L_0 + (s/\\bar\\mu)\\,\\mathrm{sp}((N-N_0)/s)$, float64 (the softplus law,
-    `dlbfluid._service.Softplus.latency`), as numpy."""
+    `dlbfluid._service.Softplus.latency`), as numpy: one compiled program per shape with
+    the eager evaluation's numbers (`eager_jit`; `buffer_size` calls it at every halving)."""
     p = {
         "capacity": jnp.asarray(capacity, jnp.float64),
         "base_latency": jnp.asarray(base_latency, jnp.float64),
         "knee": jnp.asarray(knee, jnp.float64),
         "width": jnp.asarray(width, jnp.float64),
     }
-    return np.asarray(Softplus().latency(p, jnp.asarray(N, jnp.float64)))
+    return np.asarray(_softplus_latency(p, jnp.asarray(N, jnp.float64)))
 
 
 def buffer_size(capacity, base_latency, knee, width, *, load: float = BUFFER_LOAD) -> np.ndarray:

@@ -1,0 +1,53 @@
+"""Host-side `jax.numpy` work compiled as one program per argument shape, with the numbers
+of operation-by-operation execution (`eager_jit`).
+
+Evaluated eagerly, every distinct `jnp` operation and shape compiles a program of its own
+(some 20-30 ms each with its tracing and lowering): a softplus latency is about twenty of
+them per new shape. One `jax.jit` program per shape costs one compilation, but XLA's CPU
+fusion lets LLVM contract `a * b + c` into a fused multiply-add, which rounds once instead
+of twice, so that numbers users see (a generated buffer, a CLI's latency) would move by an
+ulp. With the `fusion` pass disabled, every operation stays a kernel of its own, rounded
+as it is eagerly: the program's results are those of the eager evaluation, bit for bit
+(`tests/test_eager.py` checks it on the softplus law, and that a plain `jax.jit` differs).
+
+The algebraic simplifier still runs, and a few of its rewrites across operations change
+rounding (`a / (1 / b)` becomes `a * b`); `eager_jit` is for code free of them, checked
+bitwise against its eager evaluation where it is applied.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from .devices import accepted_options
+
+EAGER_OPTIONS = (("xla_disable_hlo_passes", "fusion"),)
+"""XLA options of `eager_jit`: no operator fusion (each operation rounds on its own)."""
+
+
+def traced(tree) -> bool:
+    """Whether any leaf of `tree` is a JAX tracer (the call is inside a transformation)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
+def eager_jit(fn):
+    """`fn` as one compiled program per argument shape whose results equal `fn`'s eager
+    evaluation bit for bit (`EAGER_OPTIONS`); called with tracers (inside `jit`, `vmap`,
+    `grad`), it runs `fn` itself, so that the caller's program is unchanged. Arguments are
+    pytrees of arrays and Python numbers (numbers are traced, not static). Built on the
+    first call, so that importing a module that uses it does not start the backend; where
+    this XLA build rejects the options, a plain `jax.jit` (results within rounding)."""
+
+    @functools.cache
+    def build():
+        return jax.jit(fn, compiler_options=accepted_options(EAGER_OPTIONS))
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if traced((args, kwargs)):
+            return fn(*args, **kwargs)
+        return build()(*args, **kwargs)
+
+    return call
