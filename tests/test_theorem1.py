@@ -145,7 +145,10 @@ def test_projection_check_discretisation_excess_is_first_order(three_runs):
 
 def test_projection_check_requires_per_tick_saves(catalogue_equilibrium):
     s, eq = catalogue_equilibrium("three", "gradient")
-    sol = dl.simulate(s, "flow-grad", step_size=0.3, tick=0.05, horizon=2.0, n_save=10)
+    # 480 saves of 500 ticks (the 512-save bucket of three_runs' run at h = 0.04: its
+    # compiled program)
+    sol = dl.simulate(s, "flow-grad", step_size=0.3, tick=0.04, horizon=20.0, n_save=480)
+    assert sol.N.shape[0] == 481
     with pytest.raises(ValueError, match="n_save equal to the number of ticks"):
         projection_check(sol, s, eq, cost="gradient", step_size=0.3)
 
