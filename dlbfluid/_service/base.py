@@ -43,6 +43,7 @@ from jaxtyping import Array, Float, Int
 
 from .._errors import ScenarioError
 from .._registry import SERVICE_MODELS
+from .._runtime.eager import eager_jit
 from .._shapes import lead, like
 from .._validate import number as _number
 
@@ -302,6 +303,9 @@ class ServiceModel(eqx.Module):
         return ServiceModel(self.model, self.params, laws=names)
 
     # --- evaluation: every law present, then a selection by code -------------------
+    # (`latency`, `rate`, `rate_prime` and `inv_rate_prime` called outside a trace run as
+    # one compiled program per shape with the eager numbers, `eager_jit`: evaluated
+    # operation by operation they compiled some twenty small programs per new shape.)
 
     def _ranked(self, ref) -> dict:
         """The parameters with singleton axes prepended to the rank of `ref` (e.g. a leading
@@ -320,18 +324,22 @@ class ServiceModel(eqx.Module):
             )
         return out
 
+    @eager_jit
     def latency(self, N: Float[Array, "... n"]) -> Float[Array, "... n"]:
         """Serving latency $\\ell_j(N_j)$ (seconds); $N$ is clipped at 0."""
         return self._each("latency", jnp.maximum(N, 0.0))
 
+    @eager_jit
     def rate(self, N: Float[Array, "... n"]) -> Float[Array, "... n"]:
         """Processing rate $\\mu_j(N_j) = N_j/\\ell_j(N_j)$ (requests/s); $\\mu_j(0)=0$."""
         return self._each("rate", jnp.maximum(N, 0.0))
 
+    @eager_jit
     def rate_prime(self, N: Float[Array, "... n"]) -> Float[Array, "... n"]:
         """Marginal processing rate $\\mu_j'(N_j) = q_j/\\ell_j^2$, $q = \\ell - N\\ell'$."""
         return self._each("rate_prime", jnp.maximum(N, 0.0))
 
+    @eager_jit
     def inv_rate_prime(self, N: Float[Array, "... n"]) -> Float[Array, "... n"]:
         """Gradient cost $1/\\mu_j'(N_j) = \\ell_j^2/q_j$, evaluated without cancellation."""
         return self._each("inv_rate_prime", jnp.maximum(N, 0.0))
