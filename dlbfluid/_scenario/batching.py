@@ -144,5 +144,14 @@ def stack_scenarios(
         for s in scenarios
     ]
     leaves = [eqx.filter(p, eqx.is_array) for p in padded]
-    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *leaves)
+    stacked = jax.tree_util.tree_map(_stack, *leaves)
     return eqx.combine(stacked, padded[0])
+
+
+def _stack(*xs):
+    """`jnp.stack(xs)`, stacked on the host (copies only: the same values and dtype) so
+    that each new leaf shape does not compile a program of its own; weakly typed leaves
+    keep `jnp.stack` (numpy would drop the weak type)."""
+    if any(getattr(x, "weak_type", False) for x in xs):
+        return jnp.stack(xs)
+    return jnp.asarray(np.stack([np.asarray(x) for x in xs]))
