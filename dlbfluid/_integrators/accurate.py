@@ -9,6 +9,7 @@ import diffrax as dfx
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._results import RESULTS
 from .base import AbstractIntegrator, TickResult
@@ -34,12 +35,10 @@ class Accurate(AbstractIntegrator):
                 raise ValueError(f"{f} = {v!r} is invalid: expected a finite number > 0")
 
     def prepared(self, dtype):
-        # Tolerances travel as arrays so that a tolerance sweep reuses one compilation.
-        return eqx.tree_at(
-            lambda a: (a.rtol, a.atol),
-            self,
-            (jnp.asarray(self.rtol, dtype), jnp.asarray(self.atol, dtype)),
-        )
+        # Tolerances travel as arrays so that a tolerance sweep reuses one compilation
+        # (converted on the host: `jnp.asarray(v, dtype)` compiles a conversion).
+        tol = [jax.device_put(np.asarray(v, dtype)) for v in (self.rtol, self.atol)]
+        return eqx.tree_at(lambda a: (a.rtol, a.atol), self, tuple(tol))
 
     def tick(self, scn, setup, tk, N, xprev, xcur, c) -> TickResult:
         """One tick, one cell at a time.

@@ -16,6 +16,8 @@ $s_k$ the `SimState` at $t_k = kh$ (the model: `loop.py`, theory/discretisation.
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -113,9 +115,31 @@ def looped_policy(pol: AbstractPolicy, error_aversion: ErrorAversion | None) -> 
 
 def cast(scn: Scenario, dtype) -> Scenario:
     """`scn` with its metadata stripped and every float array in `dtype`."""
-    return jax.tree_util.tree_map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn.strip()
-    )
+    return floats_as(scn.strip(), dtype)
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _converted(leaves: list, dtype) -> list:
+    return [a.astype(dtype) for a in leaves]
+
+
+def floats_as(tree, dtype):
+    """`tree` with every floating array leaf in `dtype` and every leaf a JAX array: the
+    conversions in one compiled program (none when every float is in `dtype` already),
+    host arrays otherwise put on the device as they are. Converted one by one, each leaf
+    shape compiled a program of its own."""
+    dtype = jnp.dtype(dtype)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    todo = [
+        i
+        for i, a in enumerate(leaves)
+        if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype
+    ]
+    out = [a if isinstance(a, jax.Array) else jax.device_put(a) for a in leaves]
+    if todo:
+        for i, a in zip(todo, _converted([leaves[i] for i in todo], dtype=dtype)):
+            out[i] = a
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def simulator(

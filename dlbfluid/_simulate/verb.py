@@ -7,6 +7,7 @@ devices, runs the compiled program (`strategy.py`), checks conservation and retu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -26,7 +27,7 @@ from .._runtime.progress import Progress
 from .._scenario import Scenario
 from .loop import _hist_len
 from .options import DEFAULTS, LAYOUTS, SimulateOptions, _chosen_chunk, default_layout
-from .single import cast, check_options, looped_policy
+from .single import check_options, floats_as, looped_policy
 from .solution import Solution
 from .strategy import _chunk_count, _sharded, _simulate_batch
 from .window import _window_width
@@ -34,19 +35,21 @@ from .window import _window_width
 __all__ = ["simulate"]
 
 
-def _mass_balance_status(rec, status, mask, ticks: int, ulps: float = 64.0):
+def _mass_balance_status(rec, status, mask, allowance):
     """`mass_balance` for a run that succeeded but does not conserve requests beyond
     rounding: per cell, $N_j(T) - N_j(0) = A_j - S_j - D_j$ (arrivals, services and drops
     integrated over $[0, T]$), and over the network, requests that reached the routers
-    equal those that reached a cell plus the change of those in flight.
+    equal those that reached a cell plus the change of those in flight. Both residuals
+    must stay within `allowance` $= u\\,\\epsilon\\,K$ (`_allowance`) times the requests
+    counted.
 
     Both identities hold to rounding whatever the tick (each tick's totals are the
     integrals of the rates that moved $N$): measured $10^{-14}$ relative in float64 and
-    $4\times10^{-7}$ in float32 over 1,000 ticks of every policy. The tolerance is
-    `ulps` (`SimulateOptions.mass_balance_ulps`) epsilons of the run's dtype per tick, relative to the requests
-    counted; beyond it something lost or created requests (an integrator that does not
-    conserve them, an invalid state the other checks let through) and the numbers must
-    not be labelled `success`."""
+    $4\\times10^{-7}$ in float32 over 1,000 ticks of every policy. The tolerance is
+    $u$ = `SimulateOptions.mass_balance_ulps` epsilons $\\epsilon$ of the run's dtype per
+    tick over the $K$ ticks, relative to the requests counted; beyond it something lost
+    or created requests (an integrator that does not conserve them, an invalid state the
+    other checks let through) and the numbers must not be labelled `success`."""
     N, a, d, dr = rec["N"], rec["arrivals"], rec["departures"], rec["drops"]
     src, fly = rec["source_arrivals"], rec["in_flight"]
     m = mask.astype(N.dtype)
@@ -55,9 +58,31 @@ def _mass_balance_status(rec, status, mask, ticks: int, ulps: float = 64.0):
         jnp.sum(src[:, -1] * m, -1) - jnp.sum(a[:, -1] * m, -1) - (fly[:, -1] - fly[:, 0])
     )
     scale = 1.0 + jnp.sum((jnp.abs(a[:, -1]) + jnp.abs(N[:, 0]) + jnp.abs(N[:, -1])) * m, -1)
-    tol = ulps * float(jnp.finfo(N.dtype).eps) * max(ticks, 1) * scale
+    tol = allowance * scale
     bad = (jnp.max(cell, -1) > tol) | (net > tol) | ~jnp.isfinite(net)
     return jnp.where((status == RESULTS.success) & bad, RESULTS.mass_balance, status)
+
+
+def _allowance(dtype, ticks: int, ulps: float) -> float:
+    """The conservation residual allowed per request counted (`_mass_balance_status`):
+    `ulps` epsilons of `dtype` per tick over `ticks` ticks (host side, a value: a new
+    horizon reuses the compiled `_finish`)."""
+    return ulps * float(jnp.finfo(dtype).eps) * max(ticks, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "saves", "unbatch"))
+def _finish(rec, status, change, mask, tick, allowance, *, batch: int, saves: int, unbatch: bool):
+    """The `Solution`'s arrays from the compiled program's outputs, as one small compiled
+    program per shape: the padding of the batch (to `batch` scenarios) and of the save
+    bucket (to `saves` save points) sliced off, the status after `_mass_balance_status`,
+    and with `unbatch` the batch axis of one scenario dropped. Done operation by
+    operation, these compiled some forty small programs per new shape."""
+    rec = {k: v[:batch, :saves] for k, v in rec.items()}
+    status = _mass_balance_status(rec, status[:batch], mask, allowance)
+    out = dict(rec, status=status, final_change=change[:batch], cell_mask=mask, tick=tick)
+    if unbatch:
+        out = {k: v[0] for k, v in out.items()}
+    return out
 
 
 def simulate(
@@ -129,23 +154,32 @@ def simulate(
         raise ValueError(f"options = {options!r} is invalid: expected a SimulateOptions")
     dtype = float_dtype(dtype, "simulate")
     grid = _grid(scenario, step_size, tick, horizon, n_save)
-    scn = cast(scenario, dtype)
+    scn = scenario.strip()
     B = scenario.batch_shape[0] if scenario.batch_shape else 0
-    if B != grid.B:
+    if B != grid.B:  # (on the host: a copy, with no program compiled for it)
         lead = 1 if B else 0
-        scn = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (grid.B,) + a.shape[lead:]), scn)
+        scn = jax.tree_util.tree_map(
+            lambda a: np.broadcast_to(np.asarray(a), (grid.B,) + a.shape[lead:]), scn
+        )
+    # The run's floats in its dtype, converted by one program (`floats_as`).
+    scn, eta, h = floats_as((scn, grid.eta, grid.h), dtype)
     looped = looped_policy(pol, error_aversion)
     integrator = integrator.for_batch(scn, float(grid.h.max())).prepared(dtype)
     run = _Run(looped, integrator, dtype, progress, chunk, layout, options)
-    rec, status, change = _run(scn, grid, run)
-    mask = jnp.asarray(scn.cell_mask)
-    status = _mass_balance_status(rec, status, mask, int(grid.K.max()), options.mass_balance_ulps)
+    rec, status, change = _run(scn, eta, h, grid, run)
+    out = _finish(
+        rec,
+        status,
+        change,
+        scn.cell_mask,
+        grid.h,
+        _allowance(rec["N"].dtype, int(grid.K.max()), options.mass_balance_ulps),
+        batch=grid.B,
+        saves=grid.n_save + 1,
+        unbatch=not grid.batched,
+    )
     sol = Solution(
-        **rec,
-        status=status,
-        final_change=change,
-        cell_mask=mask,
-        tick=jnp.asarray(grid.h),
+        **out,
         policy=pol.name,
         cell_names=tuple(scenario.cell_names) if not scenario.batch_shape else (),
     )
@@ -153,8 +187,6 @@ def simulate(
         throw = not grid.batched
     if throw:
         sol.raise_for_status()
-    if not grid.batched:
-        sol = jax.tree_util.tree_map(lambda a: a[0], sol)
     return sol
 
 
@@ -239,13 +271,14 @@ class _Run(NamedTuple):
     options: SimulateOptions
 
 
-def _run(scn: Scenario, grid: _Grid, run: _Run):
-    """`(records, status, change)` of the batch `scn` (already `grid.B` scenarios): the
-    static configuration (ring length, window width, layout, chunk), the batch padded to a
-    multiple of the device count and sharded, the save schedule padded to its bucket
-    (`SimulateOptions.save_bucket`: the extra saves repeat the last one), the compiled
-    program called (through a kept export when the command line keeps them), and the
-    padding sliced off."""
+def _run(scn: Scenario, eta, h, grid: _Grid, run: _Run):
+    """`(records, status, change)` of the batch `scn` (already `grid.B` scenarios, step
+    sizes `eta` and ticks `h` in the run's dtype): the static configuration (ring length,
+    window width, layout, chunk), the batch padded to a multiple of the device count (on
+    the host) and sharded, the save schedule padded to its bucket
+    (`SimulateOptions.save_bucket`: the extra saves repeat the last one), and the compiled
+    program called (through a kept export when the command line keeps them). The outputs
+    keep the padding (`_finish` slices it off)."""
     Bb, n, dtype = grid.B, scn.n_cells, run.dtype
     tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
     hist = _hist_len(float((tau.reshape(Bb, -1).max(axis=1) / grid.h).max()))
@@ -261,11 +294,13 @@ def _run(scn: Scenario, grid: _Grid, run: _Run):
     # Shard the batch over every device; pad the batch to a multiple of the device count.
     ndev = jax.local_device_count()
     pad = (-Bb) % ndev
-    args = (scn, jnp.asarray(grid.eta, dtype), jnp.asarray(grid.h, dtype), jnp.asarray(save_ticks))
-    if pad:
+    args = (scn, eta, h, save_ticks)
+    if pad:  # (copies: on the host, with no program compiled for them)
         args = jax.tree_util.tree_map(
-            lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), args
+            lambda a: np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[-1:], pad, axis=0)]),
+            args,
         )
+    args = jax.device_put(args)
     share = (Bb + pad) // ndev
     uniform = bool(np.all(save_ticks == save_ticks[:1]))
     layout = run.layout
@@ -289,10 +324,7 @@ def _run(scn: Scenario, grid: _Grid, run: _Run):
         chunk=chunk,
         layout=layout,
     )
-    rec, status, change = _call(shard_batch(args), run.policy, run.integrator, static)
-    keep = (slice(None, Bb), slice(None, grid.n_save + 1))
-    rec = {k: v[keep] for k, v in rec.items()}
-    return rec, status[:Bb], change[:Bb]
+    return _call(shard_batch(args), run.policy, run.integrator, static)
 
 
 def _call(args, policy, integrator, static):
