@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlbfluid._evaluation.server_model import _softplus_latency, buffer_size
-from dlbfluid._runtime.eager import eager_jit
+from dlbfluid._runtime.eager import eager_jit, to_device
 from dlbfluid._service import Softplus
 
 
@@ -89,3 +89,32 @@ def test_buffer_size_equals_its_eager_bisection():
         lo, hi = new_lo, new_hi
     np.testing.assert_array_equal(_bits(got), _bits(0.5 * (lo + hi)))
     assert np.all(got > 0)
+
+
+def _compiles(fn):
+    """(result of fn(), backend compilations it made)."""
+    n = [0]
+
+    def count(event, duration, **kwargs):
+        n[0] += event.endswith("backend_compile_duration")
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        out = fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    return out, n[0]
+
+
+def test_to_device_copies_without_compiling():
+    # A shape no other test uses: jnp.asarray compiles a copy program for it (negative
+    # control), to_device none, and both give the same array.
+    host = np.arange(3 * 29, dtype=np.float64).reshape(3, 29)
+    ref, n_ref = _compiles(lambda: jnp.asarray(host))
+    got, n_got = _compiles(lambda: to_device(host))
+    assert n_ref >= 1 and n_got == 0
+    assert got.dtype == ref.dtype and got.weak_type == ref.weak_type == False  # noqa: E712
+    assert got.sharding == ref.sharding and got.committed == ref.committed
+    host[0, 0] = -1.0  # a copy, not a view of the host buffer
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert float(got[0, 0]) == 0.0

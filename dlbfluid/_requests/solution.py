@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import equinox as eqx
@@ -12,8 +13,16 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from .._results import RESULTS, raise_for_status, status_names
+from .._runtime.eager import eager_jit
 from .histogram import LatencyHistogram
 from .loop import OVERFLOW_ARCS, OVERFLOW_CELLS, OVERFLOW_EVENTS
+
+
+@functools.partial(eager_jit, static_argnums=0)
+def _percentile(bins: LatencyHistogram, counts, q):
+    """`bins.percentile(counts, q)` as one program per shape (`q` traced) with the eager
+    numbers (`eager_jit`), for the host-side statistics."""
+    return bins.percentile(counts, q)
 
 
 class RequestSimulationError(RuntimeError):
@@ -92,7 +101,7 @@ class RequestSolution(eqx.Module):
         histogram (relative error below `histogram_bins.resolution`)."""
         if not (isinstance(q, (int, float)) and 0.0 < q < 1.0):
             raise ValueError(f"q = {q!r} is invalid: expected a number in (0, 1)")
-        return self.histogram_bins.percentile(self.histogram, float(q))
+        return _percentile(self.histogram_bins, self.histogram, float(q))
 
     def error_rate(self):
         """Rejected requests over requests arrived at the root routers, per trial."""
@@ -148,7 +157,7 @@ class RequestSolution(eqx.Module):
             "latency": {
                 "mean": mean,
                 **{
-                    f"p{int(q * 100)}": float(self.histogram_bins.percentile(pooled, q))
+                    f"p{int(q * 100)}": float(_percentile(self.histogram_bins, pooled, q))
                     for q in (0.5, 0.9, 0.99)
                 },
             },

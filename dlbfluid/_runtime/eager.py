@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 
 from .devices import accepted_options
 
@@ -32,17 +33,18 @@ def traced(tree) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
 
-def eager_jit(fn):
+def eager_jit(fn, **jit_kwargs):
     """`fn` as one compiled program per argument shape whose results equal `fn`'s eager
     evaluation bit for bit (`EAGER_OPTIONS`); called with tracers (inside `jit`, `vmap`,
     `grad`), it runs `fn` itself, so that the caller's program is unchanged. Arguments are
     pytrees of arrays and Python numbers (numbers are traced, not static). Built on the
     first call, so that importing a module that uses it does not start the backend; where
-    this XLA build rejects the options, a plain `jax.jit` (results within rounding)."""
+    this XLA build rejects the options, a plain `jax.jit` (results within rounding).
+    `jit_kwargs` go to `jax.jit` (e.g. `static_argnums`)."""
 
     @functools.cache
     def build():
-        return jax.jit(fn, compiler_options=accepted_options(EAGER_OPTIONS))
+        return jax.jit(fn, compiler_options=accepted_options(EAGER_OPTIONS), **jit_kwargs)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -51,3 +53,12 @@ def eager_jit(fn):
         return build()(*args, **kwargs)
 
     return call
+
+
+def to_device(x) -> jax.Array:
+    """A host array as a JAX array without compiling anything: `jnp.asarray` of a numpy
+    array compiles a copy program per new shape and dtype, `jax.device_put` copies without
+    one. Same values, dtype (canonicalised as `jnp.asarray` does), placement (the default
+    device, uncommitted) and weak type (none: for numpy arrays only; a Python number would
+    lose `jnp.asarray`'s weak type)."""
+    return jax.device_put(np.asarray(x))

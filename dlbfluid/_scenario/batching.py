@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._registry import SERVICE_MODELS
+from .._runtime.eager import to_device
 from .._service import ServiceModel, law
 from .model import Scenario, ServerCells, Workload, _server_cells
 
@@ -78,11 +79,11 @@ def pad_scenario(
         sv = sv.with_laws(laws)
         first = law(sv.laws[0])
         params = {
-            k: jnp.asarray(cells(v, first.defaults.get(k, _param_default(sv, k))))
+            k: to_device(cells(v, first.defaults.get(k, _param_default(sv, k))))
             for k, v in sv.params.items()
         }
         return ServiceModel(
-            jnp.asarray(cells(sv.model, SERVICE_MODELS.index(sv.laws[0]))), params, laws=sv.laws
+            to_device(cells(sv.model, SERVICE_MODELS.index(sv.laws[0]))), params, laws=sv.laws
         )
 
     sv = scn.servers
@@ -90,30 +91,30 @@ def pad_scenario(
         sv = _server_cells([None] * m)
     if sv is not None:
         sv = ServerCells(
-            mask=jnp.asarray(cells(sv.mask, False)),
-            count=jnp.asarray(cells(sv.count, 0)),
-            prefill_token_time=jnp.asarray(cells(sv.prefill_token_time, 1.0)),
-            decode_token_time=jnp.asarray(cells(sv.decode_token_time, 1.0)),
-            decode_engines=jnp.asarray(cells(sv.decode_engines, 1)),
-            slots=jnp.asarray(cells(sv.slots, 1)),
+            mask=to_device(cells(sv.mask, False)),
+            count=to_device(cells(sv.count, 0)),
+            prefill_token_time=to_device(cells(sv.prefill_token_time, 1.0)),
+            decode_token_time=to_device(cells(sv.decode_token_time, 1.0)),
+            decode_engines=to_device(cells(sv.decode_engines, 1)),
+            slots=to_device(cells(sv.slots, 1)),
         )
     wl = scn.workload
     if wl is None and (with_servers or sv is not None):
-        wl = Workload(*(jnp.asarray(v, dtype=jnp.result_type(float)) for v in (1, 1, 0, 1, 1, 0)))
+        wl = Workload(*(to_device(np.asarray(v, dtype=float)) for v in (1, 1, 0, 1, 1, 0)))
     return Scenario(
-        arrival_times=jnp.asarray(cells(times, 0.0)),
-        arrival_rates=jnp.asarray(cells(rates, 0.0)),
-        replicas=jnp.asarray(cells(scn.replicas, 1.0)),
+        arrival_times=to_device(cells(times, 0.0)),
+        arrival_rates=to_device(cells(rates, 0.0)),
+        replicas=to_device(cells(scn.replicas, 1.0)),
         service=service(scn.service, laws if laws is not None else scn.service.laws),
         estimate=service(scn.estimate, est_laws if est_laws is not None else scn.estimate.laws),
-        buffer=jnp.asarray(cells(scn.buffer, np.inf)),
-        replica_times=jnp.asarray(cells(rep_t, 0.0)),
-        replica_counts=jnp.asarray(cells(rep_k, 1.0)),
-        latency=jnp.asarray(square(scn.latency, 0.0)),
-        allowed=jnp.asarray(square(scn.allowed, False)),
-        cell_mask=jnp.asarray(cells(scn.cell_mask, False)),
-        initial_workload=jnp.asarray(cells(scn.initial_workload, 0.0)),
-        initial_routing=jnp.asarray(square(scn.initial_routing, 0.0)),
+        buffer=to_device(cells(scn.buffer, np.inf)),
+        replica_times=to_device(cells(rep_t, 0.0)),
+        replica_counts=to_device(cells(rep_k, 1.0)),
+        latency=to_device(square(scn.latency, 0.0)),
+        allowed=to_device(square(scn.allowed, False)),
+        cell_mask=to_device(cells(scn.cell_mask, False)),
+        initial_workload=to_device(cells(scn.initial_workload, 0.0)),
+        initial_routing=to_device(square(scn.initial_routing, 0.0)),
         name=scn.name,
         cell_names=scn.cell_names,
         servers=sv,
@@ -154,4 +155,4 @@ def _stack(*xs):
     keep `jnp.stack` (numpy would drop the weak type)."""
     if any(getattr(x, "weak_type", False) for x in xs):
         return jnp.stack(xs)
-    return jnp.asarray(np.stack([np.asarray(x) for x in xs]))
+    return to_device(np.stack([np.asarray(x) for x in xs]))

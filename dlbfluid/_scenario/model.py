@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from .._runtime.eager import to_device
 from .._service import ServiceModel
 from .._shapes import lead
 
@@ -160,12 +161,12 @@ def _server_cells(rows: list) -> ServerCells:
     vals = [r if r is not None else filler for r in rows]
     col = [np.array([v[q] for v in vals]) for q in range(5)]
     return ServerCells(
-        mask=jnp.asarray(np.array([r is not None for r in rows])),
-        count=jnp.asarray(col[0].astype(np.int32)),
-        prefill_token_time=jnp.asarray(col[1].astype(float)),
-        decode_token_time=jnp.asarray(col[2].astype(float)),
-        decode_engines=jnp.asarray(col[3].astype(np.int32)),
-        slots=jnp.asarray(col[4].astype(np.int32)),
+        mask=to_device(np.array([r is not None for r in rows])),
+        count=to_device(col[0].astype(np.int32)),
+        prefill_token_time=to_device(col[1].astype(float)),
+        decode_token_time=to_device(col[2].astype(float)),
+        decode_engines=to_device(col[3].astype(np.int32)),
+        slots=to_device(col[4].astype(np.int32)),
     )
 
 

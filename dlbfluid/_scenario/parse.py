@@ -12,11 +12,11 @@ import functools
 import math
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from .._errors import ScenarioError
 from .._registry import SERVICE_MODELS
+from .._runtime.eager import to_device
 from .._service import law, service_from_cells
 from .._validate import integer, invalid, number
 from .feasibility import check_capacity
@@ -186,7 +186,7 @@ def _parse_workload(value: Any) -> Workload:
         )
     p = _parse_tokens("workload.prompt_tokens", value["prompt_tokens"])
     o = _parse_tokens("workload.output_tokens", value["output_tokens"])
-    return Workload(*(jnp.asarray(v, dtype=jnp.result_type(float)) for v in (*p, *o)))
+    return Workload(*(to_device(np.asarray(v, dtype=float)) for v in (*p, *o)))
 
 
 def _parse_replica_schedule(field: str, cell: dict, k: float) -> tuple[list, list]:
@@ -408,20 +408,20 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     k = np.array(cells.replicas)
     N0, x0 = _parse_initial(data.get("initial", {}) or {}, allowed, k)
     scn = Scenario(
-        arrival_times=jnp.asarray(times),
-        arrival_rates=jnp.asarray(rates),
-        replicas=jnp.asarray(k),
+        arrival_times=to_device(times),
+        arrival_rates=to_device(rates),
+        replicas=to_device(k),
         service=service_from_cells(cells.services),
-        latency=jnp.asarray(tau),
-        allowed=jnp.asarray(allowed),
-        cell_mask=jnp.ones(n, dtype=bool),
-        initial_workload=jnp.asarray(N0),
-        initial_routing=jnp.asarray(x0),
+        latency=to_device(tau),
+        allowed=to_device(allowed),
+        cell_mask=to_device(np.ones(n, dtype=bool)),
+        initial_workload=to_device(N0),
+        initial_routing=to_device(x0),
         name=name,
         cell_names=tuple(cells.names),
-        buffer=jnp.asarray(np.array(cells.buffers)),
-        replica_times=jnp.asarray(_padded_rows([s[0] for s in cells.schedules])),
-        replica_counts=jnp.asarray(_padded_rows([s[1] for s in cells.schedules])),
+        buffer=to_device(np.array(cells.buffers)),
+        replica_times=to_device(_padded_rows([s[0] for s in cells.schedules])),
+        replica_counts=to_device(_padded_rows([s[1] for s in cells.schedules])),
         estimate=service_from_cells(cells.estimates),
         servers=_server_cells(cells.servers) if with_servers else None,
         workload=workload,

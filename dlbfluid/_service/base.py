@@ -43,7 +43,7 @@ from jaxtyping import Array, Float, Int
 
 from .._errors import ScenarioError
 from .._registry import SERVICE_MODELS
-from .._runtime.eager import eager_jit
+from .._runtime.eager import eager_jit, to_device
 from .._shapes import lead, like
 from .._validate import number as _number
 
@@ -407,6 +407,4 @@ def service_from_cells(cells: list[tuple[str, dict[str, float]]]) -> ServiceMode
             keys.setdefault(k, lw.defaults[k])
     cols = {k: np.array([p.get(k, d) for _, p in cells], dtype=float) for k, d in keys.items()}
     model = np.array([code(n) for n, _ in cells], dtype=np.int32)
-    return ServiceModel(
-        jnp.asarray(model), {k: jnp.asarray(v) for k, v in cols.items()}, laws=names
-    )
+    return ServiceModel(to_device(model), {k: to_device(v) for k, v in cols.items()}, laws=names)
