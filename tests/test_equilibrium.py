@@ -402,6 +402,25 @@ def test_batch_equals_loop_and_no_recompile():
     assert float(single2.z.sum()) == pytest.approx(0.3, rel=1e-13)
 
 
+def test_small_batch_shares_the_unbatched_program():
+    """A batch of 3-cell scenarios is padded to 4 cells, as one scenario is: it runs the
+    unbatched 4-cell program (no new trace) and each row equals the unbatched solve
+    bitwise, unpadded back to 3 cells."""
+    from helpers import three
+
+    scns = [dl.scenario_from_dict(three()), dl.scenario_from_dict(three(name="b"))]
+    scns[1] = eqx.tree_at(lambda s: s.arrival_rates, scns[1], scns[1].arrival_rates * 0.7)
+    ones = [solve_equilibrium(s, "latency") for s in scns]
+    before = eqm._TRACES["latency"]
+    sol = solve_equilibrium(dl.stack_scenarios(scns), "latency")
+    assert eqm._TRACES["latency"] == before  # (a 3-cell program would be traced here)
+    assert sol.N.shape == (2, 3) and sol.x.shape == (2, 3, 3) and sol.cell_mask.shape == (2, 3)
+    for b, one in enumerate(ones):
+        for f in ("N", "z", "x", "multipliers", "kkt_residual", "iterations"):
+            np.testing.assert_array_equal(np.asarray(getattr(sol, f))[b], getattr(one, f))
+    assert float(sol.N[1].sum()) < float(sol.N[0].sum())  # the rows are not one scenario
+
+
 def test_non_convergence_is_a_status_not_a_crash():
     rng = np.random.default_rng(6)
     batch = dl.stack_scenarios([random_mm1(rng)[0] for _ in range(3)], n_cells=4)

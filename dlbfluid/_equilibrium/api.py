@@ -34,7 +34,7 @@ from .._precision import require_x64
 from .._results import RESULTS, raise_for_status, status_names, view
 from .._runtime import exported
 from .._runtime.devices import compiler_options, shard_batch, uses_float32
-from .._scenario import Scenario, check_capacity, pad_scenario
+from .._scenario import Scenario, check_capacity, pad_scenario, stack_scenarios
 from .solver import EquilibriumSolver, _solve_batch, _solve_batch_impl
 
 EQ_STATUS = view("success", "not_converged", "nonfinite")
@@ -124,6 +124,12 @@ def _bucket(n: int) -> int:
     while b < n:
         b *= 2
     return b
+
+
+def _pad_batch(scn: Scenario, n: int) -> Scenario:
+    """A batch of `n`-cell scenarios padded to `n` cells (`stack_scenarios`)."""
+    B = scn.batch_shape[0]
+    return stack_scenarios([jax.tree_util.tree_map(lambda a: a[b], scn) for b in range(B)], n)
 
 
 def _batch_bucket(B: int, ndev: int) -> int:
@@ -263,7 +269,10 @@ def solve_equilibrium(
         _check_overload(scenario, float(time))
     n = scenario.n_cells
     if batched:
-        scn = scenario.strip()
+        # Batches of fewer than 4 cells are padded to 4, as an unbatched scenario is
+        # (`_bucket`), so that both share one compiled solver; larger batches keep their
+        # cell count (padding them would cost every Newton pass).
+        scn = scenario.strip() if n >= _bucket(1) else _pad_batch(scenario, _bucket(1))
     else:
         scn = pad_scenario(scenario, _bucket(n)).strip()
         scn = jax.tree_util.tree_map(lambda a: a[None], scn)
@@ -292,6 +301,7 @@ def solve_equilibrium(
     )
     if not batched:
         sol = jax.tree_util.tree_map(lambda a: a[0], sol)
+    if sol.cell_mask.shape[-1] > n:
         sol = _unpad(sol, n)
     if throw is None:
         throw = not batched
@@ -304,5 +314,11 @@ def _unpad(sol: EquilibriumSolution, n: int) -> EquilibriumSolution:
     return eqx.tree_at(
         lambda s: (s.x, s.z, s.N, s.multipliers, s.cell_mask),
         sol,
-        (sol.x[:n, :n], sol.z[:n], sol.N[:n], sol.multipliers[:n], sol.cell_mask[:n]),
+        (
+            sol.x[..., :n, :n],
+            sol.z[..., :n],
+            sol.N[..., :n],
+            sol.multipliers[..., :n],
+            sol.cell_mask[..., :n],
+        ),
     )
