@@ -142,6 +142,15 @@ def floats_as(tree, dtype):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+@eqx.filter_jit
+def _set_up(scn: Scenario, eta, h, policy: AbstractPolicy, horizon: float, hist: int):
+    """`simulator`'s `TickSetup` (step sizes `eta`, a scalar or `(n,)`, in the dtype of the
+    tick `h`) and the policy's precomputed arrays, as one compiled program (as `simulate`
+    computes them inside its own); operation by operation they compiled a few dozen."""
+    eta = jnp.broadcast_to(jnp.asarray(eta, h.dtype), (scn.n_cells,))
+    return _setup(scn, eta, h, hist), policy.prepare(scn, h, horizon)
+
+
 def simulator(
     scenario: Scenario,
     policy: str | AbstractPolicy,
@@ -199,9 +208,8 @@ def simulator(
     width = _window_width(
         np.asarray(scn.arrival_times), float(tau.max() + 2.0 * h), np.asarray(scn.arrival_rates)
     )
-    hh = jnp.asarray(h, dtype)
-    setup = _setup(scn, jnp.broadcast_to(jnp.asarray(eta, dtype), (n,)), hh, hist)
+    hh = jax.device_put(np.asarray(h, dtype))
     # (without a horizon the policy's `prepare` is the base one, which ignores it)
-    aux = looped.prepare(scn, hh, 0.0 if horizon is None else float(horizon))
+    setup, aux = _set_up(scn, eta, hh, looped, 0.0 if horizon is None else float(horizon), hist)
     integ = integrator.for_batch(scn, h).prepared(dtype)
     return Simulator(scn, setup, aux, looped, integ, width)
