@@ -86,10 +86,12 @@ class RequestSolution(eqx.Module):
         k = jnp.reshape(self.scale, self.scale.shape + (1,) * (self.count.ndim - self.scale.ndim))
         return self.count / k
 
+    @eager_jit
     def mean_latency(self):
         """Mean end-to-end latency of the served requests (exact), per trial."""
         return self.latency_sum / jnp.maximum(self.served, 1)
 
+    @eager_jit
     def latency_std(self):
         """Standard deviation of the served requests' latencies, per trial."""
         m = self.mean_latency()
@@ -103,6 +105,7 @@ class RequestSolution(eqx.Module):
             raise ValueError(f"q = {q!r} is invalid: expected a number in (0, 1)")
         return _percentile(self.histogram_bins, self.histogram, float(q))
 
+    @eager_jit
     def error_rate(self):
         """Rejected requests over requests arrived at the root routers, per trial."""
         return jnp.sum(self.drops, -1) / jnp.maximum(jnp.sum(self.arrivals, -1), 1)
