@@ -57,8 +57,10 @@ def eager_jit(fn, **jit_kwargs):
 
 def to_device(x) -> jax.Array:
     """A host array as a JAX array without compiling anything: `jnp.asarray` of a numpy
-    array compiles a copy program per new shape and dtype, `jax.device_put` copies without
-    one. Same values, dtype (canonicalised as `jnp.asarray` does), placement (the default
+    array compiles a copy program per new shape and dtype, `jax.device_put` needs none.
+    Same values, dtype (canonicalised as `jnp.asarray` does), placement (the default
     device, uncommitted) and weak type (none: for numpy arrays only; a Python number would
-    lose `jnp.asarray`'s weak type)."""
-    return jax.device_put(np.asarray(x))
+    lose `jnp.asarray`'s weak type). On CPU `device_put` may share a suitably aligned
+    numpy buffer instead of copying it (even with `may_alias=False`, in jax 0.10), so it is
+    handed a private copy: a later write to `x` never reaches the result."""
+    return jax.device_put(np.array(x, copy=True))
