@@ -421,6 +421,22 @@ def test_small_batch_shares_the_unbatched_program():
     assert float(sol.N[1].sum()) < float(sol.N[0].sum())  # the rows are not one scenario
 
 
+def test_one_program_for_every_mix_of_built_in_laws():
+    """An M/M/1-only scenario is solved with service tables that evaluate both built-in
+    laws (`api._widen`): the program of a mixed scenario of its shape, no new trace, and
+    bitwise the answer of the explicitly widened scenario."""
+    from helpers import LAWS, two_mm1
+
+    s = dl.scenario_from_dict(two_mm1(tau=0.1))
+    assert s.service.laws == ("mm1",)
+    ref = solve_equilibrium(dl.pad_scenario(s, 2, laws=LAWS, est_laws=LAWS), "latency")
+    before = eqm._TRACES["latency"]
+    one = solve_equilibrium(s, "latency")
+    assert eqm._TRACES["latency"] == before  # (an M/M/1-only program would be traced here)
+    for f in ("N", "z", "x", "multipliers", "kkt_residual", "iterations"):
+        np.testing.assert_array_equal(np.asarray(getattr(one, f)), np.asarray(getattr(ref, f)))
+
+
 def test_non_convergence_is_a_status_not_a_crash():
     rng = np.random.default_rng(6)
     batch = dl.stack_scenarios([random_mm1(rng)[0] for _ in range(3)], n_cells=4)

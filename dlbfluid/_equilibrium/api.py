@@ -132,6 +132,18 @@ def _pad_batch(scn: Scenario, n: int) -> Scenario:
     return stack_scenarios([jax.tree_util.tree_map(lambda a: a[b], scn) for b in range(B)], n)
 
 
+_LAWS = ("mm1", "softplus")
+
+
+def _widen(scn: Scenario) -> Scenario:
+    """The same cells with service tables that evaluate (at least) both built-in laws, so
+    that M/M/1-only, softplus-only and mixed scenarios share one compiled solver (a law a
+    cell does not follow is only selected away: the results are the same)."""
+    return dataclasses.replace(
+        scn, service=scn.service.with_laws(_LAWS), estimate=scn.estimate.with_laws(_LAWS)
+    )
+
+
 def _batch_bucket(B: int, ndev: int) -> int:
     """Batch size a batch is padded to: 8 up to 8 scenarios, then a multiple of 64, and
     always a multiple of the device count (the batch axis is sharded over devices)."""
@@ -276,6 +288,7 @@ def solve_equilibrium(
     else:
         scn = pad_scenario(scenario, _bucket(n)).strip()
         scn = jax.tree_util.tree_map(lambda a: a[None], scn)
+    scn = _widen(scn)
     B = scn.batch_shape[0]
     # Pad the batch to a bucket size that is a multiple of the device count, so that
     # nearby batch sizes (and every unbatched call) share one compiled solver.
