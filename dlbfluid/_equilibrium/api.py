@@ -129,7 +129,8 @@ def _bucket(n: int) -> int:
 def _pad_batch(scn: Scenario, n: int) -> Scenario:
     """A batch of `n`-cell scenarios padded to `n` cells (`stack_scenarios`)."""
     B = scn.batch_shape[0]
-    return stack_scenarios([jax.tree_util.tree_map(lambda a: a[b], scn) for b in range(B)], n)
+    host = jax.tree_util.tree_map(np.asarray, scn)  # (indexed on the host: no dispatches)
+    return stack_scenarios([jax.tree_util.tree_map(lambda a: a[b], host) for b in range(B)], n)
 
 
 _LAWS = ("mm1", "softplus")
