@@ -123,3 +123,19 @@ def test_to_device_copies_without_compiling():
     for h in hosts:
         h[0] = -1.0
     assert [float(np.asarray(d)[0]) for d in devs] == [0.0] * 48
+
+
+def test_eager_jit_inside_a_callers_jit_with_concrete_arguments():
+    """A caller's `jit` whose function closes over concrete arrays passes them to an
+    `eager_jit` function: not tracers, yet inside a trace, where a compiled program with
+    options cannot be nested (JAX raises). The function is inlined instead, and the result
+    is the caller's program's."""
+    g = eager_jit(lambda a, b: a * b + 1.0)
+    const = jnp.arange(4.0)
+
+    @jax.jit
+    def h(x):
+        return x + g(const, const)  # g's arguments are concrete here
+
+    np.testing.assert_array_equal(np.asarray(h(jnp.ones(4))), np.asarray(const * const + 2.0))
+    assert "pjit" not in str(jax.make_jaxpr(h)(jnp.ones(4)))

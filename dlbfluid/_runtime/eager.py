@@ -29,14 +29,22 @@ EAGER_OPTIONS = (("xla_disable_hlo_passes", "fusion"),)
 
 
 def traced(tree) -> bool:
-    """Whether any leaf of `tree` is a JAX tracer (the call is inside a transformation)."""
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+    """Whether the call is inside a transformation: any leaf of `tree` is a JAX tracer, or
+    JAX is tracing at all (a caller's `jit` whose function closes over concrete arrays
+    and passes them here: its arguments are not tracers, yet a compiled program with
+    options cannot be nested in the caller's). JAX has no public test for the second;
+    `jax._src.core.trace_state_clean` is used where this JAX has it."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree)):
+        return True
+    clean = getattr(getattr(getattr(jax, "_src", None), "core", None), "trace_state_clean", None)
+    return clean is not None and not clean()
 
 
 def eager_jit(fn, **jit_kwargs):
     """`fn` as one compiled program per argument shape whose results equal `fn`'s eager
-    evaluation bit for bit (`EAGER_OPTIONS`); called with tracers (inside `jit`, `vmap`,
-    `grad`), it runs `fn` itself, so that the caller's program is unchanged. Arguments are
+    evaluation bit for bit (`EAGER_OPTIONS`); called inside `jit`, `vmap` or `grad`
+    (`traced`: with tracers, or with concrete arrays a traced function closes over), it runs
+    `fn` itself, so that the caller's program is unchanged. Arguments are
     pytrees of arrays and Python numbers (numbers are traced, not static). Built on the
     first call, so that importing a module that uses it does not start the backend; where
     this XLA build rejects the options, a plain `jax.jit` (results within rounding).
