@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-KERNEL_XLA_FLAGS = "--xla_backend_optimization_level=0"
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
@@ -15,14 +14,6 @@ def test_notebook_executes(path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.setenv("DLBFLUID_SMALL", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    # The kernel's XLA compiles without LLVM's optimisation passes: a notebook at small size
-    # is compile-bound (one compilation per distinct program, each run for a few hundred
-    # ticks), and this takes about a third off its CPU time (theorem1_batch_verification:
-    # 47 -> 34 user s, wardrop_vs_social_optimum: 21 -> 11), with the same numbers to within
-    # rounding. Only the kernels the test starts see it; a user's run is unchanged.
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        monkeypatch.setenv("XLA_FLAGS", f"{flags} {KERNEL_XLA_FLAGS}".strip())
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
