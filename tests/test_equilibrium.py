@@ -402,25 +402,6 @@ def test_batch_equals_loop_and_no_recompile():
     assert float(single2.z.sum()) == pytest.approx(0.3, rel=1e-13)
 
 
-def test_small_batch_shares_the_unbatched_program():
-    """A batch of 3-cell scenarios is padded to 4 cells, as one scenario is: it runs the
-    unbatched 4-cell program (no new trace) and each row equals the unbatched solve
-    bitwise, unpadded back to 3 cells."""
-    from helpers import three
-
-    scns = [dl.scenario_from_dict(three()), dl.scenario_from_dict(three(name="b"))]
-    scns[1] = eqx.tree_at(lambda s: s.arrival_rates, scns[1], scns[1].arrival_rates * 0.7)
-    ones = [solve_equilibrium(s, "latency") for s in scns]
-    before = eqm._TRACES["latency"]
-    sol = solve_equilibrium(dl.stack_scenarios(scns), "latency")
-    assert eqm._TRACES["latency"] == before  # (a 3-cell program would be traced here)
-    assert sol.N.shape == (2, 3) and sol.x.shape == (2, 3, 3) and sol.cell_mask.shape == (2, 3)
-    for b, one in enumerate(ones):
-        for f in ("N", "z", "x", "multipliers", "kkt_residual", "iterations"):
-            np.testing.assert_array_equal(np.asarray(getattr(sol, f))[b], getattr(one, f))
-    assert float(sol.N[1].sum()) < float(sol.N[0].sum())  # the rows are not one scenario
-
-
 def test_one_program_for_every_mix_of_built_in_laws():
     """An M/M/1-only scenario is solved with service tables that evaluate both built-in
     laws (`api._widen`): the program of a mixed scenario of its shape, no new trace, and
