@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._results import RESULTS
+from .._runtime.eager import to_device
 from .base import AbstractIntegrator, TickResult
 
 
@@ -37,7 +38,7 @@ class Accurate(AbstractIntegrator):
     def prepared(self, dtype):
         # Tolerances travel as arrays so that a tolerance sweep reuses one compilation
         # (converted on the host: `jnp.asarray(v, dtype)` compiles a conversion).
-        tol = [jax.device_put(np.asarray(v, dtype)) for v in (self.rtol, self.atol)]
+        tol = [to_device(np.asarray(v, dtype)) for v in (self.rtol, self.atol)]
         return eqx.tree_at(lambda a: (a.rtol, a.atol), self, tuple(tol))
 
     def tick(self, scn, setup, tk, N, xprev, xcur, c) -> TickResult:

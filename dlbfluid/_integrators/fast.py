@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,14 +61,6 @@ def _cumulative(coef, r, s):
     return Sa * s + 0.5 * Sb * s * s + jnp.sum(m * (da + 0.5 * db * m), axis=-2)
 
 
-@eqx.filter_jit
-def _rate_prime(service, N):
-    """$\\mu_j'(N)$ as one compiled program: `Fast.for_batch` reads it on the host, and
-    evaluated operation by operation it compiled some twenty small programs per new batch
-    shape (a few tenths of a second each time)."""
-    return service.rate_prime(N)
-
-
 class Fast(AbstractIntegrator):
     """RK4 across each tick with the inflow integrated exactly (theory/discretisation.md,
     *Fast path*).
@@ -119,11 +110,10 @@ class Fast(AbstractIntegrator):
         stably and accurately; one step at the paper's probe cadence. Leading axes of `scn`
         (a batch) are kept; `xp=np` evaluates on the host."""
         mask = scn.cell_mask
+        # (on the host, `rate_prime` is one compiled program with the eager numbers)
+        fastest = scn.service.rate_prime(xp.zeros(np.shape(mask), scn.latency.dtype))
         if xp is np:
-            zero = np.zeros(np.shape(mask), scn.latency.dtype)
-            fastest, mask = np.asarray(_rate_prime(scn.service, zero)), np.asarray(mask)
-        else:
-            fastest = scn.service.rate_prime(jnp.zeros(mask.shape, scn.latency.dtype))
+            fastest, mask = np.asarray(fastest), np.asarray(mask)
         rho = xp.max(xp.where(mask, fastest, 0.0), axis=-1)
         rho = xp.where(xp.isfinite(rho), rho, 0.0)
         # (the small guard keeps an exact ratio, e.g. 8.0, from rounding up to 9)

@@ -27,6 +27,7 @@ from .._integrators import AbstractIntegrator, Fast
 from .._policies import AbstractPolicy, ErrorAverse, TickSetup, policy_from_name
 from .._policies.aversion import ErrorAversion
 from .._precision import float_dtype
+from .._runtime.eager import to_device
 from .._scenario import Scenario
 from .loop import SavePoint, SimState, _hist_len, _init_state, _record, _setup, _tick
 from .window import _window_width
@@ -208,7 +209,7 @@ def simulator(
     width = _window_width(
         np.asarray(scn.arrival_times), float(tau.max() + 2.0 * h), np.asarray(scn.arrival_rates)
     )
-    hh = jax.device_put(np.asarray(h, dtype))
+    hh = to_device(np.asarray(h, dtype))
     # (without a horizon the policy's `prepare` is the base one, which ignores it)
     setup, aux = _set_up(scn, eta, hh, looped, 0.0 if horizon is None else float(horizon), hist)
     integ = integrator.for_batch(scn, h).prepared(dtype)
