@@ -29,10 +29,12 @@ _cache = os.environ[_CACHE_ENV]
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-# (and by the notebook kernels and command-line subprocesses the tests start)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# (and by the notebook kernels and command-line subprocesses the tests start: set, not
+# defaulted, since a value inherited from the shell, or from the process that started this
+# one, would send their programs to another directory than this process's)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # The command line's own cache settings and kept traced solvers (`dlbfluid._runtime.exported`) stay
 # off in the tests' in-process CLI calls, which use the run's cache above and trace as the
 # API does; tests/test_cache.py turns them on where it checks them.
