@@ -45,24 +45,17 @@ os.environ.setdefault("DLBFLUID_CACHE_DIR", "off")
 # devices in a subprocess of its own).
 os.environ.setdefault("DLBFLUID_CPU_DEVICES", "1")
 
-# The longest files first (`pytest --durations`: the notebooks, the examples and the
-# distributed run take 20-100 s each), so that no xdist worker is left with one of them at
-# the end while the other idles. Whole files move, and the sort is stable. pyproject's
-# `--dist loadfile` gives each file to one worker, so a module's fixtures are set up once
-# in the run, not once per worker (clean clone, idle: 397 s -> 375 s, 754 -> 729
-# worker-seconds).
-_FIRST = ("test_notebooks.py", "test_examples.py", "test_distributed.py", "test_verify.py",
-          "test_theorem1.py", "test_equilibrium.py", "test_cache.py")
+# pyproject's `--dist loadfile` gives each file to one worker, so that a module's fixtures
+# are set up once in the run, not once per worker (clean clone, idle: 397 s -> 375 s, 754 ->
+# 729 worker-seconds). xdist hands the files out most tests first (its scope reorder). A
+# list here that put the longest files first had no effect under that reorder; with the
+# reorder off (`--no-loadscope-reorder`) so that it did, the suite took 396.26 s against
+# 394.78 s (clean clone, idle, same day): no gain, so the order is xdist's.
 
 
 def pytest_unconfigure(config):
     if _own_cache:
         shutil.rmtree(_cache, ignore_errors=True)
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))
 
 
 # A worker keeps every program it compiles, and over the suite that grew to 6 GB. After a
