@@ -20,7 +20,9 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # catalogue programs are compiled by every worker otherwise. The process that starts the
 # run (the xdist controller, or the only process) makes the directory and removes it when
 # the run ends (`pytest_unconfigure`); the workers it starts inherit its path. (A
-# directory per run, never removed, left 3.2 GB of them in /tmp over 518 runs.)
+# directory per run, never removed, left 3.2 GB of them in /tmp over 518 runs.) A directory
+# named in DLBFLUID_TEST_CACHE before the run is used and kept: programs then carry over
+# between runs, which is handy while editing tests but says nothing of a fresh clone's time.
 _CACHE_ENV = "DLBFLUID_TEST_CACHE"
 _own_cache = _CACHE_ENV not in os.environ
 if _own_cache:
