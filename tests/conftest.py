@@ -28,6 +28,10 @@ _own_cache = _CACHE_ENV not in os.environ
 if _own_cache:
     os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="dlbfluid-test-cache-")
 _cache = os.environ[_CACHE_ENV]
+# Every program goes in, however quickly it compiled: a notebook kernel or command-line
+# subprocess compiles hundreds of small ones (one per eager operation and shape, 20-100 ms
+# each) that a test process compiled already, and a worker reloads them after
+# `jax.clear_caches` below; reading one back takes a few milliseconds.
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
