@@ -139,3 +139,18 @@ def test_eager_jit_inside_a_callers_jit_with_concrete_arguments():
 
     np.testing.assert_array_equal(np.asarray(h(jnp.ones(4))), np.asarray(const * const + 2.0))
     assert "pjit" not in str(jax.make_jaxpr(h)(jnp.ones(4)))
+
+
+def test_floats_as_copies_host_leaves():
+    """`floats_as` (the simulator's dtype conversion) puts host leaves already in the run's
+    dtype on the device as private copies (`to_device`): a later write to the caller's
+    numpy array never reaches them (a bare `jax.device_put` shares some aligned buffers)."""
+    from dlbfluid._simulate.single import floats_as
+
+    hosts = [np.arange(8.0 + i) for i in range(48)]
+    ints = [np.arange(8 + i, dtype=np.int32) for i in range(48)]
+    devs, idevs = floats_as((hosts, ints), np.float64)
+    for h, k in zip(hosts, ints):
+        h[0], k[0] = -1.0, -1
+    assert [float(np.asarray(d)[0]) for d in devs] == [0.0] * 48
+    assert [int(np.asarray(d)[0]) for d in idevs] == [0] * 48

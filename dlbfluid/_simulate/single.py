@@ -127,7 +127,8 @@ def _converted(leaves: list, dtype) -> list:
 def floats_as(tree, dtype):
     """`tree` with every floating array leaf in `dtype` and every leaf a JAX array: the
     conversions in one compiled program (none when every float is in `dtype` already),
-    host arrays otherwise put on the device as they are. Converted one by one, each leaf
+    host arrays otherwise put on the device as they are (`to_device`: a private copy, so
+    that a caller's numpy buffer is never shared). Converted one by one, each leaf
     shape compiled a program of its own."""
     dtype = jnp.dtype(dtype)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -136,7 +137,7 @@ def floats_as(tree, dtype):
         for i, a in enumerate(leaves)
         if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype
     ]
-    out = [a if isinstance(a, jax.Array) else jax.device_put(a) for a in leaves]
+    out = [a if isinstance(a, jax.Array) else to_device(a) for a in leaves]
     if todo:
         for i, a in zip(todo, _converted([leaves[i] for i in todo], dtype=dtype)):
             out[i] = a
