@@ -35,6 +35,7 @@ from .._results import RESULTS, raise_for_status, status_names, view
 from .._runtime import exported
 from .._runtime.devices import compiler_options, shard_batch, uses_float32
 from .._scenario import Scenario, check_capacity, pad_scenario
+from .._service import BUILTIN_LAWS
 from .solver import EquilibriumSolver, _solve_batch, _solve_batch_impl
 
 EQ_STATUS = view("success", "not_converged", "nonfinite")
@@ -126,15 +127,14 @@ def _bucket(n: int) -> int:
     return b
 
 
-_LAWS = ("mm1", "softplus")
-
-
 def _widen(scn: Scenario) -> Scenario:
     """The same cells with service tables that evaluate (at least) both built-in laws, so
     that M/M/1-only, softplus-only and mixed scenarios share one compiled solver (a law a
     cell does not follow is only selected away: the results are the same)."""
     return dataclasses.replace(
-        scn, service=scn.service.with_laws(_LAWS), estimate=scn.estimate.with_laws(_LAWS)
+        scn,
+        service=scn.service.with_laws(BUILTIN_LAWS),
+        estimate=scn.estimate.with_laws(BUILTIN_LAWS),
     )
 
 

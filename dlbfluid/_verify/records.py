@@ -14,6 +14,7 @@ from .._equilibrium import solve_equilibrium
 from .._evaluation.step_rule import paper_step_sizes
 from .._global_threshold import WorstCaseSearch, global_threshold
 from .._scenario import scenario_from_dict, stack_scenarios
+from .._service import BUILTIN_LAWS
 from .._simulate import simulate
 from .._stability import batch_critical_step_size, scale_delays
 from .._theorem1 import (
@@ -58,7 +59,7 @@ def _chunk_records(
     # Both service laws of the random networks in every chunk, whichever its scenarios use:
     # the law set is static, so a chunk of one law alone would compile its own programs.
     batch = stack_scenarios(fill, n_cells=max([n_cells[1]] + [s.n_cells for s in scns]),
-                            laws=("mm1", "softplus"))  # fmt: skip
+                            laws=BUILTIN_LAWS)  # fmt: skip
     recs = [
         {
             "index": i,
