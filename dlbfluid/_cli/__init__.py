@@ -21,7 +21,7 @@ from ._common import OneLineErrors
 
 _COMMANDS = [_simulate, _demo]
 # The command that takes every core as a CPU device (`dlbfluid.use_cpu_cores`) when it runs
-# as one process: `experiment` (1.6x on 2 cores, the same results; benchmarks/README,
+# as one process: `experiment` (1.6x on 2 cores, the same results; benchmarks/HISTORY.md,
 # *Every core a device*). `verify` gained 1.1x only (its time is in the equilibrium and
 # stability solvers) and its per-device batches round differently in the last bits; the
 # others keep one device and their kept traced programs (`dlbfluid._runtime.exported`, one device

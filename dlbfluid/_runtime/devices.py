@@ -124,7 +124,7 @@ def use_cpu_cores(environ: Mapping[str, str] | None = None) -> int | None:
 
     A device's program runs on one thread for most of its operations, so that one CPU
     device leaves the other cores nearly idle: on the 2-core machine of
-    benchmarks/README (*Every core a device*) two devices run the App.-B simulation 1.7x
+    benchmarks/HISTORY.md (*Every core a device*) two devices run the App.-B simulation 1.7x
     faster and `dlbfluid experiment` 1.6x, with the same results. The `experiment`
     command calls it before any work; call it right after importing JAX (e.g. at the top
     of a notebook) to do the same from Python. Accelerators are not affected. Raises

@@ -90,10 +90,11 @@ def default_layout(
     Measured on App.-B batches of 1,000, 5 ms, flow-grad, two CPU devices, microseconds per
     scenario-tick batch-first against batch-last: float32 0.28 / 0.23 at 2 cells, 0.80 /
     0.49 at 5, 2.23 / 1.65 at 10, 7.86 / 4.76 at 16, 11.5 / 12.7 at 20; float64 0.30 /
-    0.25, 0.85 / 0.75, 3.05 / 3.08, 6.68 / 10.6, 14.7 / 25.3 (benchmarks/README.md, *Batch
-    axis last*). So float64 stays batch-first, where it is never much slower; a smaller
-    share leaves too few scenarios for the vector lanes; `Accurate` and accelerators are
-    not measured batch-last. A save costs more batch-last: 10 cells, 1,000 scenarios, 400
+    0.25, 0.85 / 0.75, 3.05 / 3.08, 6.68 / 10.6, 14.7 / 25.3 (theory/discretisation.md,
+    *Batch axis last*; benchmarks/README.md, *Recorded: `bench_layout.py`*). So float64
+    stays batch-first, where it is never much slower; a smaller share leaves too few
+    scenarios for the vector lanes; `Accurate` and accelerators are not measured
+    batch-last. A save costs more batch-last: 10 cells, 1,000 scenarios, 400
     ticks, float32 batch-first against batch-last, 2.34 / 1.64 us per scenario-tick with 4
     saves, 2.60 / 1.85 with 20, 3.06 / 2.65 with 100 (4 ticks per save), 5.26 / 6.44 with
     400 (a save every tick)."""
