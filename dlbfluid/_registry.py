@@ -125,7 +125,7 @@ POLICIES.register("rand", "dlbfluid._policies.rand:WeightedRandom")
 POLICIES.register("mnlb", "dlbfluid._policies.mnlb:MNLB")
 
 BUILTIN_POLICIES = POLICIES.names()
-"""The eight policies of the paper's evaluation, in the order of the README."""
+"""The eight policies of the paper's evaluation, in the order of the results tables (docs/results.md)."""
 
 
 def register_cost(cost, *, policies: bool = True) -> None:

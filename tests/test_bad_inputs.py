@@ -1,4 +1,4 @@
-"""The bad-input catalogue: every input rule of the README (*Scenario files*, *Commands*)
+"""The bad-input catalogue: every input rule of docs/scenarios.md and docs/cli.md
 refused with exit status 2 and a message naming the field, before any computation.
 
 Every case runs in-process through `dlbfluid._cli.main`; the verbs that compute

@@ -1,4 +1,4 @@
-"""The command line's caches (README, *Compilation cache*): where the persistent compilation
+"""The command line's caches (docs/cli.md, *Compilation cache*): where the persistent compilation
 cache lives (`_runtime.cache`), and the traced solvers kept beside it (`_runtime.exported`), which must give
 the plain call's numbers bit for bit, never trace again for the same shapes, and fall back
 to tracing whenever an artefact cannot be used."""

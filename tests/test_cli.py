@@ -1,4 +1,4 @@
-"""The command-line contract: `dlbfluid simulate` and `dlbfluid demo` (README, *Commands*)."""
+"""The command-line contract: `dlbfluid simulate` and `dlbfluid demo` (docs/cli.md)."""
 
 import json
 
@@ -87,7 +87,7 @@ def test_simulate_text_and_errors(scenario_file, capsys):
         main(["simulate", str(scenario_file), "--step-size", "-2"])
 
 
-# README's contract of `dlbfluid demo --json`: keys are added, never renamed.
+# docs/cli.md's contract of `dlbfluid demo --json`: keys are added, never renamed.
 DEMO_KEYS = {"scenario", "cells", "step_size", "tick", "horizon", "optimal_mean_latency",
              "policies", "png", "wall_s"}
 DEMO_POLICY_KEYS = {"policy", "mean_latency", "distance", "distance_to", "oscillation",

@@ -1,5 +1,5 @@
 """The request-level command line (issue 32): `dlbfluid simulate --model requests` and
-`dlbfluid experiment KIND --model requests` (README, *simulate --model requests* and
+`dlbfluid experiment KIND --model requests` (docs/cli.md, *dlbfluid simulate --model requests* and
 *experiment*'s JSON contract)."""
 
 import csv

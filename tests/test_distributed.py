@@ -1,4 +1,4 @@
-"""One run across processes (`jax.distributed`; README, *On a cluster*): two CPU processes on
+"""One run across processes (`jax.distributed`; docs/cli.md, *On a cluster*): two CPU processes on
 localhost give the merged `--json` output and files of a one-process run."""
 
 import csv

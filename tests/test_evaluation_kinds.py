@@ -186,7 +186,7 @@ def _rows(values):
 
 def test_findings_for_the_new_kinds():
     """The notebook's checks of the homogeneous, heterogeneity and tick kinds (their
-    verdicts feed the README's findings list)."""
+    verdicts feed the findings list of docs/results.md)."""
     from dlbfluid._evaluation import paper_findings as h
 
     dlb = dict.fromkeys(h.DLB, 0.95)

@@ -1,12 +1,12 @@
 """The package's folders form layers, and imports only run down them (issue 31, item 1).
 
-`LAYERS` is the README's *Layout* as data: a folder (or base module) may import only the
-folders listed before it, so that the order reads as the design (base, runtime, model,
-numerics, pipelines, command line). The module graph comes from the same `ast` reader as
-the import-circle test (`test_import_graph.import_graph`); an edge between two modules of
-the same top-level folder is that folder's own business (the circle test covers it).
-The checker is first run on a synthetic package with an upward import, so that it cannot
-pass by finding nothing.
+`LAYERS` is docs/layout.md (the *Layout* page) as data: a folder (or base module) may
+import only the folders listed before it, so that the order reads as the design (base,
+runtime, model, numerics, pipelines, command line). The module graph comes from the same
+`ast` reader as the import-circle test (`test_import_graph.import_graph`); an edge between
+two modules of the same top-level folder is that folder's own business (the circle test
+covers it). The checker is first run on a synthetic package with an upward import, so that
+it cannot pass by finding nothing.
 """
 
 from __future__ import annotations
@@ -105,14 +105,14 @@ def test_checker_finds_an_upward_import_and_an_unplaced_folder(tmp_path):
     ]
 
 
-def test_the_readme_layout_lists_the_same_layers():
-    """The README's *Layout* names every layer and every folder of `LAYERS`, in order."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_the_layout_page_lists_the_same_layers():
+    """docs/layout.md names every layer and every folder of `LAYERS`, in order."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    section = text.split("# Layout", 1)[1].split("\n## ", 1)[0]
     positions = []
     for layer, members in LAYERS:
         for m in [m for m in members if m]:
             hit = re.search(rf"`{re.escape(m)}/?`", section)
-            assert hit, f"README *Layout* does not name `{m}` (layer {layer})"
+            assert hit, f"docs/layout.md does not name `{m}` (layer {layer})"
             positions.append(hit.start())
-    assert positions == sorted(positions), "README *Layout* lists the folders out of order"
+    assert positions == sorted(positions), "docs/layout.md lists the folders out of order"

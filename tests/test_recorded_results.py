@@ -1,9 +1,10 @@
-"""The recorded evaluation (notebooks/results/*.json) and the README table built from it.
+"""The recorded evaluation (notebooks/results/*.json) and the results tables built from it
+(docs/results.md, the Results page of the documentation).
 
 Issue #12's contract: every experiment kind recorded at the faithful defaults (600 s, the
 probe cadence, the paper's step rule, 10 scenarios; 5 trials for the single-setting kinds,
 at least 2 for the sweeps), each variant x policy present and without failed runs, and
-every number of the README's results table equal to the recording it quotes. No
+every number of the results tables equal to the recording it quotes. No
 simulation runs here: these are checks of committed artefacts against the code's
 defaults, so a stale recording or a hand-edited table fails."""
 
@@ -47,7 +48,7 @@ def test_every_kind_is_recorded_at_the_faithful_defaults(kind):
 
 
 def _row_key(label):
-    """(kind, variant) of a README row label, e.g. 'tick: y = 10, h = 20 ms' ->
+    """(kind, variant) of a results-table row label, e.g. 'tick: y = 10, h = 20 ms' ->
     ('tick', 'y=10,h=20ms'); None for a label this table does not use."""
     label = re.sub(r"\s*\(.*\)\s*$", "", label).replace("$\\epsilon$", "eps").strip()
     fixed = {"baseline, u = 0.8": ("baseline", "baseline"),
@@ -73,8 +74,8 @@ def _cell(text):
     return float(m[1]), None if m[2] is None else float(m[2]) / 100
 
 
-def test_readme_table_quotes_the_recordings():
-    text = (ROOT / "README.md").read_text()
+def test_results_table_quotes_the_recordings():
+    text = (ROOT / "docs" / "results.md").read_text()
     section = text.split("## The paper's evaluation in the fluid model: recorded results")[1]
     lines = [ln for ln in section.split("\n## ")[0].splitlines() if ln.startswith("| ")]
     header = [h.strip() for h in lines[0].strip("|").split("|")]
@@ -87,7 +88,7 @@ def test_readme_table_quotes_the_recordings():
         if set(cells[0]) <= {"-"}:
             continue
         key = _row_key(cells[0])
-        assert key is not None, f"README row {cells[0]!r} names no recorded variant"
+        assert key is not None, f"docs/results.md row {cells[0]!r} names no recorded variant"
         kind, variant = key
         seen.add(kind)
         vals = {p: _cell(c) for p, c in zip(POLICIES, cells[1:], strict=True)}
@@ -198,8 +199,8 @@ def _request_row_key(label):
     return m[1], m[1], m[3]
 
 
-def test_readme_request_level_table_quotes_the_records():
-    text = (ROOT / "README.md").read_text()
+def test_request_level_table_quotes_the_records():
+    text = (ROOT / "docs" / "results.md").read_text()
     section = text.split("## The paper's evaluation at request level: recorded results")[1]
     table = section.split("\n| experiment")[1].split("\n\n")[0]  # the first table only
     lines = ["| experiment" + table.splitlines()[0]] + table.splitlines()[1:]

@@ -355,8 +355,8 @@ def add_run_options(p: argparse.ArgumentParser, *, horizon: float) -> None:
 
 def add_process_options(p: argparse.ArgumentParser) -> None:
     """`--coordinator`, `--num-processes`, `--process-id`, `--detect-cluster`: one run
-    shared by several processes and hosts (`dlbfluid._runtime.distributed`; README, *On a
-    cluster*)."""
+    shared by several processes and hosts (`dlbfluid._runtime.distributed`; docs/cli.md, *On
+    a cluster*)."""
     g = p.add_argument_group(
         "across processes and hosts (jax.distributed)",
         "Start the same command once per process with these three options added (or "

@@ -227,7 +227,7 @@ def _plot(scn, pols: dict, eq: dict, sols: dict, opt: float, out: Path):
 
 
 def _result(scn, args, eq: dict, records: list, opt: float, png: str, wall: float) -> dict:
-    """The JSON object of `--json` and `demo.json` (README, *dlbfluid demo*)."""
+    """The JSON object of `--json` and `demo.json` (docs/cli.md, *dlbfluid demo*)."""
     n = scn.n_cells
     return {
         "scenario": scn.name,
@@ -302,6 +302,6 @@ def _mnlb_note(scn, sol, horizon: float) -> str:
         f"under {MNLB_UTILISATION_CAP:g} of its capacity: here it serves {local:.0%} of the "
         f"traffic where it arrives and runs the cells at utilisation "
         f"{', '.join(f'{u:.2f}' for u in util)}, so queueing, not the network, sets its "
-        "latency; its 0.943 x rand in the README is the mean over the paper's generated "
-        "networks (README, *recorded results*)"
+        "latency; its 0.943 x rand in the recorded results is the mean over the paper's "
+        "generated networks (docs/results.md)"
     )

@@ -416,8 +416,8 @@ def _print_fluid(summary: dict, scn, args) -> None:
 def run_requests(args, req: dict) -> int:
     """`--model requests`: `simulate_requests(..., throw=False)` for every `--policy` on
     the same `--trials` random streams, statistics over the `--window` (the warm-up is the
-    horizon before it). Prints, per policy, `RequestSolution.summary()` (README, *simulate
-    --model requests*); the exit status is 1 when any policy's status is not `success`."""
+    horizon before it). Prints, per policy, `RequestSolution.summary()` (docs/cli.md,
+    *dlbfluid simulate --model requests*); the exit status is 1 when any policy's status is not `success`."""
     from .._requests import simulate_requests
 
     K = check_whole_ticks(args.horizon, args.tick)

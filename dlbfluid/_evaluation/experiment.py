@@ -226,7 +226,7 @@ def _append(path: Path, rows: list[dict], columns: tuple[str, ...] = FIELDS) -> 
 
 
 # The metric keys of every summary row, besides variant, policy, runs and failed (the
-# README's JSON contract; `summarise` writes them).
+# JSON contract of docs/cli.md, *dlbfluid experiment*; `summarise` writes them).
 SUMMARY_FIELDS = (
     "normalized_latency",
     "normalized_latency_p10",

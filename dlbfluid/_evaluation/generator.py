@@ -256,7 +256,7 @@ def scenario_dicts(
     fluctuation: float = 0.1,
     **profile_options,
 ) -> list[dict]:
-    """The batch as JSON-shaped dicts of `scenario_from_dict` (README, *Scenario files*).
+    """The batch as JSON-shaped dicts of `scenario_from_dict` (docs/scenarios.md).
 
     Each cell carries `name`, `arrival_rate` (a number when constant, else a
     piecewise-linear `{"times", "rates"}` profile from `arrival_profiles`), `replicas`,

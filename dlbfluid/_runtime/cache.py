@@ -1,4 +1,4 @@
-"""The command line's persistent compilation cache (README, *Compilation cache*).
+"""The command line's persistent compilation cache (docs/cli.md, *Compilation cache*).
 
 Every `dlbfluid` command compiles its programs for the shapes at hand; JAX's persistent
 compilation cache keeps the compiled programs on disk, so that the second call of a
@@ -46,7 +46,7 @@ def enable_compilation_cache(path: str | os.PathLike[str] | None = None) -> Path
     first. The Python API leaves it off (it changes JAX's global configuration); this one
     call turns it on, with the command line's settings: every program is kept, however
     short its compile (`jax_persistent_cache_min_compile_time_secs = 0`). Call it once,
-    after the imports and before the first computation. (README, *Compilation cache*.)
+    after the imports and before the first computation. (docs/cli.md, *Compilation cache*.)
 
     **Arguments:**
     - `path`: the directory (created if missing). Default: the command line's,

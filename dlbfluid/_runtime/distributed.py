@@ -3,7 +3,7 @@
 A run across `P` processes is the same command started once per process (one per host,
 or one per accelerator), each with `--coordinator HOST:PORT --num-processes P
 --process-id I` or the environment variables `JAX_COORDINATOR_ADDRESS`,
-`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` (README, *On a cluster*). `start` validates these
+`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` (docs/cli.md, *On a cluster*). `start` validates these
 before any work and initialises `jax.distributed`; process 0 hosts the coordinator.
 
 **Design.** Every process computes its own share of the scenarios on its own devices

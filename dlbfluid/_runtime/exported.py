@@ -1,4 +1,4 @@
-"""Traced programs kept on disk for the command line (README, *Compilation cache*).
+"""Traced programs kept on disk for the command line (docs/cli.md, *Compilation cache*).
 
 JAX's persistent compilation cache (`cache`) saves the XLA compilation of a program, but
 every process still traces the Python code into a program first, and for the solvers'

@@ -1,5 +1,5 @@
 """The scenario file format: `scenario_from_dict` builds a `Scenario` from the JSON-shaped
-dict of a scenario file (README, *Scenario files*), checking every field first and naming
+dict of a scenario file (docs/scenarios.md), checking every field first and naming
 the field, the value and what is allowed in its `ScenarioError` (the checks are the
 package's one set, `dlbfluid._validate`). Parsing happens in Python, before anything is
 traced.
@@ -373,7 +373,7 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
     **Arguments:**
     - `data`: `{"name", "cells": [{"name", "arrival_rate", "replicas", "service",
       "estimated_service"?, "buffer"?, "replica_schedule"?}], "latency": [[tau or null]],
-      "initial": {"workload", "routing"}}` (README, *Scenario files*).
+      "initial": {"workload", "routing"}}` (docs/scenarios.md).
     - `allow_overload`: skip the Assumption-2 capacity check (simulate overload on purpose).
 
     **Raises:** `ScenarioError` naming the field, the value and what is allowed;
