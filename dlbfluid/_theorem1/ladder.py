@@ -152,7 +152,7 @@ class Ladder(eqx.Module):
     - `schedule_share`: the delay term's target share $B\\eta/\\text{bound}$ along the
       schedule $\\eta = cT^{-1/2}$; with the fitted $A$, $B$ it fixes
       $c^2 = \\frac{\\text{share}}{1 - \\text{share}}\\frac AB$ (capped so that the schedule's
-      largest step is `schedule_cap` $\\eta^*$; $c = $ `schedule_cap` $\\eta^*T_0^{1/2}$
+      largest step is `schedule_cap` $\\eta^*$; $c$ = `schedule_cap` $\\times\\,\\eta^*T_0^{1/2}$
       when $A = 0$ or $B = 0$: `schedule_constant`).
     - `tau_scales`: delay scales at which the bound is refitted (1 = the scenario); each
       scaled scenario gets its own equilibrium.

@@ -38,7 +38,7 @@ class Theorem1Schedule(eqx.Module):
     **Fields:**
     - `rungs`: horizons $T_0, T_0r, \\dots, T_0r^{\\text{rungs}-1}$ (at least 2).
     - `ratio`: $r > 1$.
-    - `c_scale`: $c = $ `c_scale` $\\sqrt{A/G_1}$ (1: the $c$ that minimises the bound's
+    - `c_scale`: $s$ in $c = s\\sqrt{A/G_1}$ (1: the $c$ that minimises the bound's
       $T^{-1/2}$ coefficient). Where $A = 0$ (a start on $x^*$),
       $c = \\eta_0\\sqrt{T_{\\min}}$.
     - `min_horizon`: $T_0 = \\max(T_{\\min}, (c/\\eta_0)^2)$; a `c_scale` above 1 with a

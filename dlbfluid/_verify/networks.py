@@ -22,8 +22,8 @@ def random_network(
 ) -> dict:
     """A random scenario that satisfies Assumptions 1-3 (theory/lyapunov.md, *Generator*).
 
-    * cells on the unit square; one-way latency $\\tau_{ij} = $ `max_latency` $\\times$
-      distance$/\\sqrt2$, $\\tau_{ii} = 0$;
+    * cells on the unit square; one-way latency $\\tau_{ij}$ = `max_latency` $\\times$
+      distance $/\\sqrt2$, $\\tau_{ii} = 0$;
     * capacities $\\bar\\mu_j \\sim$ LogNormal(log 4, 0.4); half the cells M/M/1, half softplus
       with $L_0 \\sim U[0.5, 1.5]$, knee $N_0 = u L_0\\bar\\mu$, $u \\sim U[0.1, 0.8]$ (so
       $a_0 = L_0(1-u) > 0$: Assumptions 1 and 3 for all three costs), width $\\sim U[0.3, 2]$;
