@@ -135,17 +135,23 @@ def on_page_content(content: str, page, config, files) -> str:
     return content
 
 
+_HOST = r"[\"']?(?:https?:)?//"  # an address on another host, quoted or not
 _REMOTE = re.compile(
-    r"<script[^>]+src=[\"'](?:https?:)?//|<link[^>]+href=[\"'](?:https?:)?//[^\"']+[\"'][^>]*"
-    r"rel=[\"']?(?:stylesheet|preload|preconnect)|<link[^>]+rel=[\"']?(?:stylesheet|preload|"
-    r"preconnect)[^>]+href=[\"'](?:https?:)?//|@import\s+url\([\"']?(?:https?:)?//",
+    "|".join(
+        [
+            rf"<(?:script|img|iframe)[^>]+src={_HOST}",
+            rf"<link[^>]+href={_HOST}[^>]*rel=[\"']?(?:stylesheet|preload|preconnect)",
+            rf"<link[^>]+rel=[\"']?(?:stylesheet|preload|preconnect)[^>]+href={_HOST}",
+            rf"@import\s+url\({_HOST}",
+        ]
+    ),
     re.I,
 )
 
 
 def check_offline(site: pathlib.Path) -> int:
-    """Raise if a built page loads a script, stylesheet or font from another host; return
-    the number of pages holding `<math>`."""
+    """Raise if a built page loads a script, image, frame, stylesheet or font from another
+    host; return the number of pages holding `<math>`."""
     with_math = 0
     for page in sorted(site.rglob("*.html")):
         text = page.read_text(encoding="utf-8")
