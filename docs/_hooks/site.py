@@ -49,6 +49,9 @@ def _load(name: str):
     return module
 
 
+# The options tables describe this checkout's parser, not an installed copy's.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 _cli_reference = _load("cli_reference")
 
 
