@@ -22,6 +22,7 @@ from dlbfluid._global_threshold import RECORD_KEYS, WorstCaseSearch, global_thre
 from dlbfluid._global_threshold.search import _pass, _Runs, _starts
 from dlbfluid._global_threshold.stats import non_decaying
 from dlbfluid._policies import policy_from_name
+from dlbfluid._verify.records import step_vs_bracket
 from dlbfluid._verify.summary import censored_quantiles, global_threshold_summary, summarise
 
 POLICY = "flow-grad"
@@ -263,3 +264,25 @@ def test_bad_arguments(searched):
     one = jtu.tree_map(lambda a: a[0], batch)
     with pytest.raises(ValueError, match="expected one batch axis"):
         global_threshold(one, POLICY, eq, np.ones(3), config=CONFIG)
+
+
+def test_step_weights_scale_each_router(searched):
+    """With `step_weights` (the paper's rule's profile) router i of every run steps at
+    eta w_i: the bracket, eta* and the rule's largest step share one scale."""
+    _, eta_star, _, (batch, eq) = searched
+    w = np.array([[1.0, 0.5, 0.25]] * 3)
+    runs = _Runs(batch, POLICY, eq, eta_star, w, CONFIG)
+    steps = np.array([[0.1, 0.2, 0.3]])
+    eta = np.asarray(runs._eta(steps, 2)).reshape(1, 2, 3, 3)
+    assert np.array_equal(eta[0, 1], steps[0][:, None] * w)
+
+
+def test_step_vs_bracket():
+    assert step_vs_bracket(0.1, [0.2, 0.21]) == "below_lo"
+    assert step_vs_bracket(0.205, [0.2, 0.21]) == "inside"
+    assert step_vs_bracket(0.3, [0.2, 0.21]) == "above_hi"
+    assert step_vs_bracket(0.3, [None, 0.21]) == "above_hi"
+    assert step_vs_bracket(0.1, [None, 0.21]) == "undetermined"  # below a censored top
+    assert step_vs_bracket(0.1, [0.2, None]) == "below_lo"
+    assert step_vs_bracket(0.3, [0.2, None]) == "undetermined"
+    assert step_vs_bracket(0.1, None) is None
