@@ -1,33 +1,34 @@
-"""Issue #30 item 5: the worst-case search for the global threshold eta_g, timed.
+"""Issue #41: the bracketed search for the global threshold eta_g, timed, with the cost of
+its adversarial starts.
 
-    python benchmarks/bench_worst_case.py [--scenarios 100] [--starts 16 32 64]
-        [--horizon 300] [--tick 0.05] [--rungs-below 4] [--rungs-above 2] [--policy flow-grad]
-        [--out FILE]
+    python benchmarks/bench_worst_case.py [--scenarios 32] [--starts 16]
+        [--horizon 300] [--tick 0.05] [--policy flow-grad] [--out FILE]
 
 Random networks of `dlbfluid verify` (`draw_scenario(seed, i)`, 2-6 cells, padded to 6),
 their equilibria and batched critical steps eta* (not timed), then for each starts count
-one `global_threshold` call: every rung x start x scenario as one vmapped batch on this
-process's devices (one per core: `use_cpu_cores` is called first). Compile time apart: a
-warm-up call with a horizon of 20 ticks compiles the program (the horizon is traced, so
-the timed call reuses it); the timed call is the whole search at `--horizon`.
+one `global_threshold` call (`WorstCaseSearch`'s defaults: range 0.25-1.1 eta*, coarse
+ladder of ratio <= 1.25, bisection to 1%, 2 adversarial starts, witnesses re-run at half
+the tick for twice the horizon) on this process's devices (one per core: `use_cpu_cores`
+is called first). Compile time apart: a warm-up call with a horizon of 20 ticks compiles
+the programs (the horizon is traced, so the timed call reuses them). The adversarial
+starts' cost: `_Runs.adversarial` timed alone (warm-up first), against the search without
+them (`ascent_steps=0`, the same passes otherwise).
 
-First the symmetric pair at tau = 0.5, searched with `--pair-starts` starts: flow-grad at
-tick 0.05 and 0.01 (eta_g/eta*, the witness, the cycle's amplitude and period, which must
-not move with the tick), flow-lat and flow-rif at 0.05.
+First the symmetric pair at tau = 0.5, searched with `--pair-starts` starts: flow-grad,
+flow-lat and flow-rif (the bracket over eta*, the witness's amplitude and period).
 
-The peer, measured in the same run: `dlbfluid.simulate` on as many runs as the smallest
-starts count makes, for the same ticks (4 saves), so that the search's loop can be
-compared with the simulator it is built from.
+The peer, measured in the same run: `dlbfluid.simulate` on one pass's runs (starts x
+scenarios) for the same ticks (4 saves), so that the search's loop can be compared with
+the simulator it is built from.
 
-Prints one JSON object on stdout (the pair; per starts count: runs, run-ticks, compile and run
-seconds, microseconds per run-tick; and the search's outcome at the largest count:
-bistable fraction, eta_g/eta* quantiles, Hopf directions; also to `--out`), a summary on
-stderr. Timing and the record by `_harness.py`.
+Prints one JSON object on stdout (also to `--out`), a summary on stderr. Timing and the
+record by `_harness.py`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -38,7 +39,9 @@ import numpy as np
 
 import dlbfluid as dl
 from dlbfluid._global_threshold import WorstCaseSearch, global_threshold
+from dlbfluid._global_threshold.search import _Runs, _starts
 from dlbfluid._verify import draw_scenario
+from dlbfluid._verify.summary import global_threshold_summary
 
 dl.use_cpu_cores()
 dl.enable_x64()
@@ -56,8 +59,7 @@ def _batch(seed: int, count: int):
 
 def _pair(starts: int) -> dict:
     """The symmetric pair of tests/helpers.py (one source, two M/M/1 cells, tau = 0.5),
-    searched with flow-grad at tick 0.05 and 0.01, flow-lat and flow-rif at 0.05 (300 s,
-    rungs 0.75-0.95 and 1.05-1.10 eta*)."""
+    bracketed with flow-grad, flow-lat and flow-rif (the defaults but `starts`)."""
     d = {
         "name": "symmetric-pair",
         "cells": [
@@ -69,44 +71,38 @@ def _pair(starts: int) -> dict:
     }
     batch = dl.stack_scenarios([dl.scenario_from_dict(d)])
     out: dict = {}
-    for policy, ticks in (
-        ("flow-grad", (0.05, 0.01)),
-        ("flow-lat", (0.05,)),
-        ("flow-rif", (0.05,)),
-    ):
+    for policy in ("flow-grad", "flow-lat", "flow-rif"):
         eq = dl.solve_equilibrium(batch, dl.policy_from_name(policy).cost, throw=False, check=False)
-        es = np.asarray(dl.batch_critical_step_size(batch, policy, eq).critical_step_size)
-        one: dict = {"eta_star": float(es[0])}
-        for tick in ticks:
-            cfg = WorstCaseSearch(starts=starts, rungs_below=6, rungs_above=2, tick=tick)
-            t0 = time.perf_counter()
-            rec = global_threshold(batch, policy, eq, es, config=cfg)[0]
-            g = rec["eta_global"]
-            rec["eta_global_over_eta_star"] = None if g is None else g / float(es[0])
-            rec["wall_s"] = round(time.perf_counter() - t0, 2)
-            one[f"tick_{tick}"] = rec
-        out[policy] = one
+        es = float(np.asarray(dl.batch_critical_step_size(batch, policy, eq).critical_step_size)[0])
+        t0 = time.perf_counter()
+        rec = global_threshold(batch, policy, eq, np.array([es]),
+                               config=WorstCaseSearch(starts=starts))[0]  # fmt: skip
+        lo, hi = rec["eta_global_bracket"]
+        w = rec.pop("witness") or {}
+        out[policy] = {
+            "eta_star": es,
+            "bracket_over_eta_star": [None if v is None else v / es for v in (lo, hi)],
+            "amplitude": w.get("amplitude"),
+            "period": w.get("period"),
+            "wall_s": round(time.perf_counter() - t0, 2),
+            **rec,
+        }
     return out
 
 
-def _peer(batch, args, eta_star, S: int, rungs: int, K: int) -> dict:
-    """The peer: `dlbfluid.simulate` on as many runs (each scenario repeated rungs x S
-    times, at the rungs' steps, from the scenario's own initial state: the cost of a tick
-    does not depend on the start) for the same ticks, with 4 saves; compile
-    apart (a warm-up of 20 ticks: the tick count is data, one compilation serves both)."""
+def _peer(batch, args, eta_star, S: int, K: int) -> dict:
+    """The peer: `dlbfluid.simulate` on one pass's runs (each scenario repeated S times,
+    at 0.9 eta*, from the scenario's own initial state: the cost of a tick does not depend
+    on the start) for the same ticks, with 4 saves; compile apart (a warm-up of 20 ticks:
+    the tick count is data, one compilation serves both)."""
     B = batch.batch_shape[0]
-    reps = rungs * S
-    flat = jax.tree_util.tree_map(lambda a: np.repeat(np.asarray(a)[None], reps, 0), batch)
+    flat = jax.tree_util.tree_map(lambda a: np.repeat(np.asarray(a)[None], S, 0), batch)
     flat = jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), flat)
-    ladder = (
-        np.where(np.isfinite(eta_star), eta_star, 1.0)[None, :]
-        * 1.05 ** np.repeat(np.arange(rungs) - args.rungs_below, S)[:, None]
-    )
-    step = ladder.reshape(-1, 1)
+    step = np.tile(0.9 * np.where(np.isfinite(eta_star), eta_star, 1.0), S).reshape(-1, 1)
     kw = dict(step_size=step, tick=args.tick, n_save=4)
     warm = H.measure(lambda: dl.simulate(flat, args.policy, horizon=20 * args.tick, **kw))
     run = H.measure(lambda: dl.simulate(flat, args.policy, horizon=args.horizon, **kw))
-    runs = reps * B
+    runs = S * B
     return {
         "starts": S,
         "runs": runs,
@@ -118,18 +114,16 @@ def _peer(batch, args, eta_star, S: int, rungs: int, K: int) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[H.parent_parser()])
-    ap.add_argument("--scenarios", type=int, default=100)
-    ap.add_argument("--starts", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--scenarios", type=int, default=32)
+    ap.add_argument("--starts", type=int, nargs="+", default=[16])
     ap.add_argument("--horizon", type=float, default=300.0)
     ap.add_argument("--tick", type=float, default=0.05)
-    ap.add_argument("--rungs-below", type=int, default=4)
-    ap.add_argument("--rungs-above", type=int, default=2)
     ap.add_argument("--policy", default="flow-grad")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pair-starts", type=int, default=16)
     args = H.parse(ap, argv)
     pair = _pair(args.pair_starts)
-    H.log(json.dumps({"pair": pair}))
+    H.log(json.dumps({"pair": pair}, default=str))
 
     batch = _batch(args.seed, args.scenarios)
     cost = dl.policy_from_name(args.policy).cost
@@ -137,87 +131,51 @@ def main(argv=None) -> dict:
     crit = dl.batch_critical_step_size(batch, args.policy, eq)
     ok = eq.status_names() == "success"
     eta_star = np.where(ok, np.asarray(crit.critical_step_size), np.nan)
-    rungs = args.rungs_below + args.rungs_above
     K = int(round(args.horizon / args.tick))
 
-    runs = []
+    rows = []
     out = None
     for S in args.starts:
-        cfg = WorstCaseSearch(
-            starts=S,
-            rungs_below=args.rungs_below,
-            rungs_above=args.rungs_above,
-            horizon=args.horizon,
-            tick=args.tick,
-        )
-        warm = WorstCaseSearch(
-            starts=S,
-            rungs_below=args.rungs_below,
-            rungs_above=args.rungs_above,
-            horizon=20 * args.tick,
-            tick=args.tick,
-        )
+        cfg = WorstCaseSearch(starts=S, horizon=args.horizon, tick=args.tick)
+        warm = dataclasses.replace(cfg, horizon=20 * args.tick)
         w = H.measure(lambda: global_threshold(batch, args.policy, eq, eta_star, config=warm))
         c = H.measure(lambda: global_threshold(batch, args.policy, eq, eta_star, config=cfg))
+        plain = dataclasses.replace(cfg, ascent_steps=0)
+        p = H.measure(lambda: global_threshold(batch, args.policy, eq, eta_star, config=plain))
+        runs = _Runs(batch, args.policy, eq, eta_star, None, cfg)
+        N0, x0 = _starts(runs.scn, runs.N_star, cfg)
+        a = H.measure(lambda: runs.adversarial(N0, x0))
         out = c.result
-        n_runs = rungs * S * args.scenarios
+        steps = [r["eta_global_search"]["steps"] for r in out if r["eta_global_search"]]
         row = {
             "starts": S,
-            "runs": n_runs,
-            "run_ticks": n_runs * K,
+            "adversarial_starts": cfg.ascent_starts,
+            "ascent_steps": cfg.ascent_steps,
             "compile_s": round(w.wall_s, 2),
             "run_s": round(c.wall_s, 2),
-            "us_per_run_tick": round(1e6 * c.wall_s / (n_runs * K), 4),
+            "run_without_adversarial_s": round(p.wall_s, 2),
+            "ascent_alone_s": round(a.wall_s, 2),
+            "steps_per_scenario": {"min": min(steps), "max": max(steps)} if steps else None,
         }
-        runs.append(row)
+        rows.append(row)
         H.log(json.dumps(row))
 
-    peer = _peer(batch, args, eta_star, args.starts[0], rungs, K)
+    peer = _peer(batch, args, eta_star, args.starts[0] + WorstCaseSearch.ascent_starts, K)
     H.log(json.dumps({"peer": peer}))
-
     assert out is not None
-    usable = np.isfinite(eta_star) & (eta_star > 0)
-    ratio = np.array(
-        [
-            r["eta_global"] / e if r["eta_global"] is not None else np.nan
-            for r, e in zip(out, np.where(usable, eta_star, 1.0))
-        ]
-    )
-    ratio = ratio[usable]
-    bist = np.array([bool(r["bistable"]) for r, u in zip(out, usable) if u])
-    below = np.array([r["bistable"] and r["eta_global"] is None for r in out])
-    hopf = [r["hopf"] for r, u in zip(out, usable) if u]
-
-    def q(v):
-        v = v[np.isfinite(v)]
-        if v.size == 0:
-            return None
-        return {k: float(np.quantile(v, p)) for k, p in (("q10", 0.1), ("q50", 0.5), ("q90", 0.9))}
-
+    thr = [{"eta_star": e if np.isfinite(e) else None, **r} for e, r in zip(eta_star, out)]
     result = {
-        "benchmark": "worst_case_search",
+        "benchmark": "worst_case_search_bracket",
         "policy": args.policy,
         "scenarios": args.scenarios,
-        "usable_eta_star": int(usable.sum()),
-        "rungs": rungs,
-        "ladder_ratio": 1.05,
         "horizon": args.horizon,
         "tick": args.tick,
         "devices": f"{jax.local_device_count()} x {jax.devices()[0].platform}",
         "machine": platform.processor() or platform.machine(),
         "pair_tau_0.5": pair,
-        "timings": runs,
+        "timings": rows,
         "peer_simulate": peer,
-        "scaling_in_starts": {
-            f"{a['starts']}->{b['starts']}": round(b["run_s"] / a["run_s"], 2)
-            for a, b in zip(runs, runs[1:])
-        },
-        f"outcome_at_{args.starts[-1]}_starts": {
-            "bistable_fraction": float(bist.mean()) if bist.size else None,
-            "below_ladder_fraction": float(below[usable].mean()) if usable.any() else None,
-            "eta_global_over_eta_star": q(ratio),
-            "hopf": {k: hopf.count(k) for k in ("subcritical", "supercritical", None)},
-        },
+        f"outcome_at_{args.starts[-1]}_starts": global_threshold_summary(thr),
     }
     return H.emit(result, args.out, indent=1, default=lambda v: None if v is None else str(v))
 

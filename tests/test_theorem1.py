@@ -31,7 +31,7 @@ from dlbfluid._theorem1 import (
     window_ratio,
 )
 from dlbfluid._theorem1.lyapunov import fit_theorem1
-from dlbfluid._verify import verify
+from dlbfluid._verify import SEARCH_KEYS, verify
 
 KW = dict(chunk=2, n_cells=(2, 3), horizon=20.0, tick=0.1)
 
@@ -281,8 +281,9 @@ def test_verify_json_contract_and_options(tmp_path, capsys, monkeypatch):
     assert set(rec["theorem1"]["estimates"]) == set(ESTIMATES)
     for e in rec["theorem1"]["estimates"].values():
         assert set(e) == {"measured", "bound", "holds"} and e["holds"] is True
-    assert set(rec["thresholds"]) == {"eta0", "eta_star", "eta_global", "bistable", "hopf",
-                                      "witness", "cycle_amplitude", "cycle_period"}  # fmt: skip
+    assert set(rec["thresholds"]) == {"eta0", "eta_star", *SEARCH_KEYS}
+    assert {"eta_global", "bistable", "hopf", "witness", "cycle_amplitude",
+            "cycle_period", "eta_global_bracket", "eta_global_censoring"} <= set(SEARCH_KEYS)  # fmt: skip
     assert set(rec["projection_check"]) >= {"holds", "lhs", "rhs", "discretisation_excess",
                                             "terms"}  # fmt: skip
     assert set(rec["projection_check"]["terms"]) == {"routing_start", "workload_start",
@@ -293,7 +294,8 @@ def test_verify_json_contract_and_options(tmp_path, capsys, monkeypatch):
     summ = res["summary"]["policies"]["flow-grad"]
     for key in ("in_hypothesis_fraction", "theorem1_holds_fraction", "tightness",
                 "eta0_over_eta_star", "eta_global_over_eta_star", "bistable_fraction",
-                "estimates_hold_fraction"):  # fmt: skip
+                "estimates_hold_fraction", "theorem1", "eta_global", "audit",
+                "step_vs_bracket"):  # fmt: skip
         assert key in summ
     rc = main(["verify", "--scenarios", "2", "--seed", "3", "--chunk", "2", "--min-cells", "2",
                "--max-cells", "3", "--horizon", "20", "--tick", "0.1", "--json", "--policy",

@@ -52,6 +52,7 @@ def test_the_manifest_records_only_changed_later_settings():
     assert plain["policies"] == ["flow-rif", "flow-lat", "flow-grad"]
     m = dl.VerifyConfig(step_base="eta0", worst_case=True, starts=4).manifest(8, 0)
     assert m["step_base"] == "eta0" and m["worst_case"] is True and m["starts"] == 4
+    assert m["search_range"] == [0.25, 1.1] and m["bracket_tol"] == 0.01
     assert "ladder" not in m and "tau_scales" not in m
 
 

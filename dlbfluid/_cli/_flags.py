@@ -63,6 +63,8 @@ VERIFY = {
     "step_base": "--step-base",
     "worst_case": "--worst-case",
     "starts": "--starts",
+    "search_range": "--search-range",
+    "bracket_tol": "--bracket-tol",
     "chunk": "--chunk",
 }
 """`verify`'s arguments, `VerifyConfig`'s fields (and its manifest's) and the options of

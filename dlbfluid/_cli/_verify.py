@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .._defaults import PROBE_TICK, STEP_BASES, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
+from .._global_threshold.config import check_search_range
 from ._common import (
     add_process_options,
     check_min_max,
@@ -108,16 +109,32 @@ def _add_theorem1_flags(p) -> None:
     p.add_argument(
         "--worst-case",
         action="store_true",
-        help="also search each scenario's global step threshold eta_g (a ladder of steps of "
-        "ratio 1.05 around eta*, --starts starts per scenario and rung, one batch; "
-        "theory/global_threshold.md): eta_g, bistable, the Hopf direction, a witness start "
-        "and its cycle",
+        help="also bracket each scenario's global step threshold eta_g (a coarse ladder over "
+        "--search-range, then bisection to --bracket-tol, from --starts drawn starts and 2 "
+        "adversarial ones per scenario; a cycle counts only when its re-run at half the tick "
+        "for twice the horizon keeps amplitude and period; theory/global_threshold.md): the "
+        "bracket, its censoring, eta_g, bistable, the Hopf direction and a verified witness",
     )
     p.add_argument(
         "--starts",
         type=positive_int("starts"),
         default=16,
-        help="with --worst-case: starts per scenario and rung (default 16)",
+        help="with --worst-case: drawn starts per scenario and step (default 16)",
+    )
+    p.add_argument(
+        "--search-range",
+        nargs=2,
+        type=positive_float("search-range"),
+        metavar=("LO", "HI"),
+        default=[0.25, 1.1],
+        help="with --worst-case: the steps searched, in units of eta*, 0 < LO < HI "
+        "(default 0.25 1.1)",
+    )
+    p.add_argument(
+        "--bracket-tol",
+        type=positive_float("bracket-tol"),
+        default=0.01,
+        help="with --worst-case: bisect until hi - lo <= tol * hi, tol in (0, 0.5) (default 0.01)",
     )
     p.add_argument(
         "--ladder",
@@ -216,6 +233,11 @@ def _check(args) -> tuple[int, dict | None]:
 
     check_min_max(args.min_cells, args.max_cells, "--min-cells", "--max-cells")
     check_whole_ticks(args.horizon, args.tick)
+    check_search_range(args.search_range, "--search-range")
+    if not 0 < args.bracket_tol < 0.5:
+        raise ValueError(
+            f"--bracket-tol = {args.bracket_tol!r} is invalid: expected a number in (0, 0.5)"
+        )
     flows = list(flow_policy_names())
     if args.policy != "all" and args.policy not in flows:
         raise ValueError(
@@ -258,33 +280,75 @@ def _config(args):
             step_base=args.step_base,
             worst_case=args.worst_case,
             starts=args.starts,
+            search_range=tuple(args.search_range),
+            bracket_tol=args.bracket_tol,
         )
     except ValueError as e:
         raise relabel(e, VERIFY) from None
 
 
-def _q(d: dict) -> str:
+def _v(v) -> str:
+    """A quantile: a number, a censored bound as the summary writes it (`"< 0.25"`), or -."""
+    if v is None:
+        return "-"
+    return v if isinstance(v, str) else f"{v:.3g}"
+
+
+def _q(d: dict | None) -> str:
     """A quantile summary: `q50 [q10, q90]`."""
-    return "-" if d["q50"] is None else f"{d['q50']:.3g} [{d['q10']:.2g}, {d['q90']:.2g}]"
+    if not d or d.get("q50") is None and d.get("q10") is None:
+        return "-"
+    return f"{_v(d['q50'])} [{_v(d['q10'])}, {_v(d['q90'])}]"
 
 
 def _f(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def _of(c: dict | None) -> str:
+    """`count/of` of a `{"count", "of", "fraction"}` block."""
+    return "-" if not c or not c["of"] else f"{c['count']}/{c['of']}"
+
+
 def _theorem1_row(pol: str, s: dict) -> list:
-    """One policy's row of Theorem 1's verdict."""
-    est = s["estimates_hold_fraction"]
+    """One policy's row of Theorem 1's verdict, with the runs behind each fraction."""
+    t = s.get("theorem1") or {}
+    ins, holds = t.get("in_hypothesis"), t.get("holds")
     return [
         pol,
-        _f(s["in_hypothesis_fraction"]),
-        _f(s["theorem1_holds_fraction"]),
+        f"{_f(s['in_hypothesis_fraction'])} ({_of(ins)})" if ins else _f(
+            s["in_hypothesis_fraction"]),
+        f"{_f(s['theorem1_holds_fraction'])} ({_of(holds)})" if holds else _f(
+            s["theorem1_holds_fraction"]),
         _q(s["tightness"]),
-        _f(min(est.values())) if est and None not in est.values() else "-",
+        t.get("fallback_step", "-"),
         _q(s["eta0_over_eta_star"]),
-        _q(s["eta_global_over_eta_star"]),
+    ]  # fmt: skip
+
+
+def _global_row(pol: str, s: dict) -> list:
+    """One policy's row of the global threshold: the censoring counts, eta_g/eta* (bounds
+    where censored), bistable, and where the run's step lies against the bracket."""
+    g = s.get("eta_global") or {}
+    place = s.get("step_vs_bracket") or {}
+    return [
+        pol,
+        f"{g.get('bracketed', '-')}/{g.get('with_eta_star', '-')}",
+        g.get("below_range", "-"),
+        g.get("above_range", "-"),
+        g.get("failed", "-"),
+        _q(g.get("over_eta_star")),
         _f(s["bistable_fraction"]),
-    ]
+        " / ".join(str(place.get(k, "-")) for k in ("below_lo", "inside", "above_hi",
+                                                    "undetermined")),
+    ]  # fmt: skip
+
+
+def _audit_row(pol: str, s: dict) -> list:
+    """One policy's row of the proof's audit: each estimate's count of runs where it held."""
+    est = (s.get("audit") or {}).get("estimates") or {}
+    worst = min(est.values(), key=lambda c: c["fraction"] or 0.0, default=None)
+    return [pol, len(est), _of(worst) if worst else "-"]
 
 
 def _diagnostics_row(pol: str, s: dict) -> list:
@@ -302,7 +366,8 @@ def _diagnostics_row(pol: str, s: dict) -> list:
 
 
 def _print_tables(res: dict, args) -> None:
-    """The run's line, Theorem 1's table and the diagnostics' table."""
+    """The run's line, Theorem 1's table, the global threshold's (with --worst-case), the
+    audit's and the diagnostics' table."""
     pols = res["policies"].items()
     base = "eta*" if args.step_base == "eta-star" else "eta0"
     rule = f"eta = {args.step_fraction} {base}" if args.step_rule == "oracle" else "paper step rule"
@@ -311,9 +376,10 @@ def _print_tables(res: dict, args) -> None:
         f"{n_sc} scenario{'s' if n_sc != 1 else ''}, seed {args.seed}, horizon {args.horizon} s, "
         f"tick {args.tick} s, {rule}, ladder {args.ladder}; devices {res['devices']}"
     )
-    print("Theorem 1 (the verdict: runs with eta <= eta0 against the explicit bound)")
+    print("Theorem 1 (the verdict: runs with eta <= eta0 against the explicit bound; "
+          "(count/runs) behind each fraction)")  # fmt: skip
     header = ["policy", "in hypothesis", "bound holds", "bound/measured q50 [q10, q90]",
-              "estimates hold", "eta0/eta*", "eta_g/eta*", "bistable"]  # fmt: skip
+              "at fallback step", "eta0/eta*"]  # fmt: skip
     print(table([_theorem1_row(pol, s) for pol, s in pols], header))
     if all(not s["in_hypothesis_fraction"] for _, s in pols):
         # Say why the verdict columns are empty, and how to fill them.
@@ -321,6 +387,19 @@ def _print_tables(res: dict, args) -> None:
             "  no run is inside the hypothesis (eta > eta0 everywhere): the bound is a "
             "reference only; --step-base eta0 --step-fraction 1 checks it"
         )
+    if any(s.get("eta_global") for _, s in pols):
+        print(
+            "Global threshold eta_g (bracketed: a verified cycle at hi, none at lo; "
+            "below/above range: censored, quantiles they could move shown as bounds)"
+        )
+        header = ["policy", "bracketed", "below range", "above range", "failed",
+                  "eta_g/eta* q50 [q10, q90]", "bistable",
+                  "step below lo / inside / above hi / undetermined"]  # fmt: skip
+        print(table([_global_row(pol, s) for pol, s in pols], header))
+    print("Audit (the proof's estimates: they catch a wrong constant or a bug, not "
+          "divergence; they hold at any step on a correct run)")  # fmt: skip
+    print(table([_audit_row(pol, s) for pol, s in pols],
+                ["policy", "estimates", "runs where the weakest holds"]))  # fmt: skip
     print("Diagnostics (not the theorem's verdict)")
     header = ["policy", "projection check", "converged", "failed", "time-avg distance",
               "eta/eta*", "under fitted shape", "empirical eta0/eta*"]  # fmt: skip

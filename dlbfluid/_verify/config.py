@@ -11,6 +11,7 @@ import math
 from .._defaults import PROBE_TICK, STEP_BASES, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
 from .._evaluation.config import STEP_RULE_KAPPA
 from .._global_threshold import WorstCaseSearch
+from .._global_threshold.config import check_search_range
 from .._policies import FlowRouting, policy_from_name
 from .._registry import flow_policy_names
 from .._validate import integer, invalid, number
@@ -52,7 +53,9 @@ class VerifyConfig:
     - `generator`: `"random"` or `"appb"` (when no scenario or `draw` is given).
     - `ladder`, `tau_scales`: `"none"` or `"full"` (the descriptive ladder, with its delay
       scales; 1 is always included).
-    - `worst_case`, `starts`: the global-threshold search and its starts per rung.
+    - `worst_case`, `starts`: the global-threshold search and its drawn starts per step.
+    - `search_range`: `(LO, HI)`, the steps searched in units of $\\eta^*$, $0 < LO < HI$;
+      `bracket_tol`: the bracket's relative width, in $(0, 0.5)$ (`WorstCaseSearch`).
     - `chunk`: scenarios per compiled batch (`None`: `DEFAULT_CHUNK`, or a quarter of a
       short run); not in the manifest (records do not depend on it).
 
@@ -73,6 +76,8 @@ class VerifyConfig:
     step_base: str = "eta-star"
     worst_case: bool = False
     starts: int = 16
+    search_range: tuple[float, float] = WorstCaseSearch.search_range
+    bracket_tol: float = WorstCaseSearch.bracket_tol
     chunk: int | None = None
 
     def __post_init__(self):
@@ -90,6 +95,9 @@ class VerifyConfig:
         if self.chunk is not None:
             object.__setattr__(self, "chunk", integer("chunk", self.chunk, 1))
         object.__setattr__(self, "starts", integer("starts", self.starts, 1))
+        object.__setattr__(self, "search_range", check_search_range(self.search_range,
+                                                                    "search_range"))  # fmt: skip
+        number("bracket_tol", self.bracket_tol, lo=0, hi=0.5, lo_open=True, hi_open=True)
         for name in ("step_fraction", "conv_tol", "horizon", "tick"):
             number(name, getattr(self, name), lo=0, lo_open=True)
         K = round(self.horizon / self.tick)
@@ -114,7 +122,11 @@ class VerifyConfig:
         """The worst-case search of each chunk (`None` without `worst_case`)."""
         if not self.worst_case:
             return None
-        return WorstCaseSearch(starts=self.starts, vertex_starts=min(2, self.starts))
+        return WorstCaseSearch(
+            starts=self.starts, vertex_starts=min(2, self.starts),
+            ascent_starts=min(WorstCaseSearch.ascent_starts, self.starts),
+            search_range=self.search_range, bracket_tol=self.bracket_tol,
+        )  # fmt: skip
 
     def manifest(self, n_scenarios: int, seed: int, *, draw=None, scenario=None) -> dict:
         """The settings that change a number, as the directory's manifest records them.
@@ -142,6 +154,8 @@ class VerifyConfig:
             ("step_base", self.step_base, "eta-star"),
             ("worst_case", self.worst_case, False),
             ("starts", self.starts if self.worst_case else None, None),
+            ("search_range", list(self.search_range) if self.worst_case else None, None),
+            ("bracket_tol", self.bracket_tol if self.worst_case else None, None),
         ):
             if value != default:
                 config[key] = value

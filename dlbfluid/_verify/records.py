@@ -12,7 +12,7 @@ import numpy as np
 
 from .._equilibrium import solve_equilibrium
 from .._evaluation.step_rule import paper_step_sizes
-from .._global_threshold import WorstCaseSearch, global_threshold
+from .._global_threshold import RECORD_KEYS, WorstCaseSearch, global_threshold
 from .._scenario import scenario_from_dict, stack_scenarios
 from .._service import BUILTIN_LAWS
 from .._simulate import simulate
@@ -27,8 +27,9 @@ from .._theorem1 import (
 )
 from .._theorem1.check import theorem1_record
 
-SEARCH_KEYS = ("eta_global", "bistable", "hopf", "witness", "cycle_amplitude", "cycle_period")
-"""The worst-case search's fields of a record's `thresholds` (null without `worst_case`)."""
+SEARCH_KEYS = RECORD_KEYS + ("step_vs_bracket",)
+"""The worst-case search's fields of a record's `thresholds` (null without `worst_case`):
+`global_threshold`'s and where the run's step lies against the bracket (`step_vs_bracket`)."""
 
 
 class _Options(NamedTuple):
@@ -135,7 +136,8 @@ class _Run:
         self.search: list[dict] = [{} for _ in range(chunk)]
         if opts.worst_case is not None:
             stage(f"{pol}: worst-case search")
-            self.search = global_threshold(batch, pol, eq, eta_star, config=opts.worst_case)
+            self.search = global_threshold(batch, pol, eq, eta_star, config=opts.worst_case,
+                                           step_weights=weights)  # fmt: skip
         self.theorem: list[dict] = [{} for _ in range(chunk)]
         if opts.ladder == "full":
             self.theorem = _ladder(batch, pol, cost, eq, eta_star, weights, tick, horizon, opts,
@@ -165,7 +167,10 @@ class _Run:
             "thresholds": {
                 "eta0": _finite(self.eta0[b]),
                 "eta_star": es,
-                **{k: self.search[b].get(k) for k in SEARCH_KEYS},
+                **{k: self.search[b].get(k) for k in RECORD_KEYS},
+                "step_vs_bracket": step_vs_bracket(
+                    float(self.eta[b]), self.search[b].get("eta_global_bracket")
+                ),
             },
             "projection_check": self.proj.record(b),
             **{k: th.get(k) for k in LADDER_KEYS},
@@ -193,6 +198,23 @@ def _ladder(batch, pol, cost, eq, eta_star, weights, tick, horizon, opts: _Optio
             stars[sc] = np.where(ok_s, np.asarray(cs.critical_step_size), np.nan)
     return theorem1_ladder(batch, pol, eqs, stars, horizon=horizon, tick=tick,
                            ladder=Ladder(tau_scales=opts.tau_scales), n_real=n_real)  # fmt: skip
+
+
+def step_vs_bracket(eta: float, bracket) -> str | None:
+    """Where the run's step $\\eta$ (the largest router step) lies against the global
+    threshold's bracket $[\\eta_{lo}, \\eta_{hi}]$: `"below_lo"`, `"inside"`, `"above_hi"`, or
+    `"undetermined"` when an open end of a censored bracket leaves it open (`None` without a
+    bracket). For the paper's rule this is "is the rule safe from every start searched"."""
+    if bracket is None:
+        return None
+    lo, hi = bracket
+    if lo is not None and eta < lo:
+        return "below_lo"
+    if hi is not None and eta > hi:
+        return "above_hi"
+    if lo is not None and hi is not None:
+        return "inside"
+    return "undetermined"
 
 
 def _finite(v) -> float | None:

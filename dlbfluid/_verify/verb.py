@@ -79,11 +79,14 @@ def verify(
     explicit constants and its check along the run (`theorem1`, theory/lyapunov.md) and the
     three thresholds (`thresholds`).
 
-    `worst_case`: also search each scenario's global threshold $\\eta_g$ with `starts`
-    starts per scenario and rung (`dlbfluid._global_threshold.global_threshold`, one batch
-    per chunk and policy; its own horizon and tick, `WorstCaseSearch`'s defaults), filling
-    `thresholds`' `eta_global`, `bistable`, `hopf`, `witness`, `cycle_amplitude` and
-    `cycle_period` (null without it).
+    `worst_case`: also bracket each scenario's global threshold $\\eta_g$ over
+    `search_range` (in units of $\\eta^*$) to `bracket_tol`, with `starts` drawn starts per
+    scenario and step and 2 adversarial ones (`dlbfluid._global_threshold.global_threshold`,
+    one batch per pass, chunk and policy; its own horizon and tick, `WorstCaseSearch`'s
+    defaults; with `step_rule="paper"` at the rule's router profile), filling
+    `thresholds`' `eta_global_bracket`, `eta_global_censoring`, `eta_global`, `bistable`,
+    `hopf`, `witness`, `cycle_amplitude`, `cycle_period`, `eta_global_search` and
+    `step_vs_bracket` (null without it).
 
     `nodes`: the Chebyshev nodes of the former per-scenario critical step sizes, kept in
     the manifest only: `batch_critical_step_size` solves the exact characteristic
@@ -101,9 +104,9 @@ def verify(
     `manifest.json`) records every argument that changes a number (`n_scenarios`,
     `seed`, `n_cells`, `horizon`, `tick`, `step_fraction`, `conv_tol`, `nodes`, the
     policies and the name of a custom `draw`; `generator`, a fingerprint of a given
-    `scenario`, `step_rule`, `ladder`, `tau_scales`, `step_base`, `worst_case` and
-    `starts` where they differ from their defaults) and the package version; `chunk` is not
-    among them (a scenario's record does not depend on its chunk, up to rounding: chunks
+    `scenario`, `step_rule`, `ladder`, `tau_scales`, `step_base` and `worst_case` where
+    they differ from their defaults, and with `worst_case` also `starts`, `search_range`
+    and `bracket_tol`) and the package version; `chunk` is not among them (a scenario's record does not depend on its chunk, up to rounding: chunks
     of 2, 3 and 4 gave identical records, a chunk of 1 differed by one ulp), so a resumed
     run may use another.
 
@@ -263,6 +266,8 @@ def _finish(cfg: VerifyConfig, done, n_scenarios, seed, out_dir, t_start, *, gen
         step_base=cfg.step_base,
         worst_case=cfg.worst_case,
         starts=cfg.starts if cfg.worst_case else None,
+        search_range=list(cfg.search_range) if cfg.worst_case else None,
+        bracket_tol=cfg.bracket_tol if cfg.worst_case else None,
         ladder=cfg.ladder,
         tau_scales=list(cfg.tau_scales) if cfg.ladder == "full" else None,
         devices=[str(d) for d in jax.devices()],
