@@ -101,3 +101,16 @@ def integer(
         )
         raise invalid(field, value, allowed or text, error=error)
     return int(value)
+
+
+def check_search_range(value, field: str) -> tuple[float, float]:
+    """`value` as `(L, H)` with $0 < L < H$, both finite.
+
+    **Raises:** `ValueError` naming `field`, the value and what is allowed."""
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise invalid(field, value, "expected two numbers LO HI with 0 < LO < HI") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
+        raise invalid(field, value, "expected two numbers LO HI with 0 < LO < HI")
+    return lo, hi

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .._defaults import PROBE_TICK, STEP_BASES, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
-from .._global_threshold.config import check_search_range
+from .._validate import check_search_range
 from ._common import (
     add_process_options,
     check_min_max,

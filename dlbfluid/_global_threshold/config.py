@@ -7,6 +7,7 @@ import math
 import equinox as eqx
 import numpy as np
 
+from .._validate import check_search_range as check_search_range
 from .._validate import integer, invalid, number
 
 HOPF = ("subcritical", "supercritical")
@@ -124,16 +125,3 @@ class WorstCaseSearch(eqx.Module):
         ratio = float(np.max(r[1:] / r[:-1]))
         goal = -math.log1p(-self.bracket_tol)
         return max(int(math.ceil(math.log2(math.log(ratio) / goal) - 1e-12)), 0)
-
-
-def check_search_range(value, field: str) -> tuple[float, float]:
-    """`value` as `(L, H)` with $0 < L < H$, both finite.
-
-    **Raises:** `ValueError` naming `field`, the value and what is allowed."""
-    try:
-        lo, hi = (float(v) for v in value)
-    except (TypeError, ValueError):
-        raise invalid(field, value, "expected two numbers LO HI with 0 < LO < HI") from None
-    if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
-        raise invalid(field, value, "expected two numbers LO HI with 0 < LO < HI")
-    return lo, hi

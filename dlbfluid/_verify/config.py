@@ -11,10 +11,9 @@ import math
 from .._defaults import PROBE_TICK, STEP_BASES, STEP_RULES, VERIFY_GENERATORS, VERIFY_LADDERS
 from .._evaluation.config import STEP_RULE_KAPPA
 from .._global_threshold import WorstCaseSearch
-from .._global_threshold.config import check_search_range
 from .._policies import FlowRouting, policy_from_name
 from .._registry import flow_policy_names
-from .._validate import integer, invalid, number
+from .._validate import check_search_range, integer, invalid, number
 
 DEFAULT_CHUNK = 32
 """Scenarios per compiled batch of `verify` unless a run of fewer than 128 asks for less."""
