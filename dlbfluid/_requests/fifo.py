@@ -1,0 +1,108 @@
+"""`servers` cells: FIFO servers whose requests' completions are fixed at admission
+(theory/requests.md, *FIFO cells at admission*).
+
+Cell $j$ is `servers[j]` identical servers. Each server has one FIFO prefill engine and
+`decode_slots[j]` decode slots ($E_jL_j$: engines x slots of seed App. B; 0 for a one-stage
+exponential server). A request admitted at time $t$ to server $s$ with prefill work $p$ and
+decode work $d$ completes at
+
+$$f = \\max(t, F_s) + p,\\qquad F_s \\leftarrow f \\quad\\text{(Lindley)},$$
+$$c = \\max(f, \\min_m V_{s,m}) + d,\\qquad V_{s,m^*} \\leftarrow c\\quad\\text{(Kiefer-Wolfowitz)}$$
+
+($c = f$ when $d = 0$), with $F_s$ the time the prefill engine frees and $V_{s,m}$ the time
+decode slot $m$ frees. Later arrivals never overtake a request in either FIFO stage, so
+$c$ is final at admission: the cell needs no completion event. `FifoCells` holds the
+per-cell parameters of one scenario; the engine is `dlbfluid._requests.admission`.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Bool, Float, Int
+
+from .._scenario import Workload
+
+
+def running(servers: Int[Array, " n"], frac: Float[Array, " n"]) -> Int[Array, " n"]:
+    """Servers running at replica fraction $c_j$: $\\max(1, \\mathrm{round}(c_jS_j))$ of
+    the $S_j$ = `servers` (0 for a padded cell), the lowest indices."""
+    a = jnp.round(servers.astype(frac.dtype) * frac).astype(jnp.int32)
+    return jnp.where(servers > 0, jnp.clip(a, 1, servers), 0)
+
+
+class FifoCells(eqx.Module):
+    """The FIFO servers of every cell of one scenario (module docstring).
+
+    **Law.** A request draws, at its admission, $P = \\delta_p + G_p$ prompt and
+    $D = \\delta_o + G_o$ output tokens ($G \\sim \\mathrm{Gamma}(\\alpha, \\theta)$ of the
+    scenario's `Workload`, independent, real-valued): prefill work $Pt_{p,j}$, decode work
+    $Dt_{d,j}$ on one of the server's `decode_slots[j]` slots (the slots are identical,
+    so the decode stage is one FIFO queue of that many servers). An `exponential` cell (an
+    M/M/1 cell without a `servers` object) is one stage: prefill work
+    $\\mathrm{Exp}(\\bar\\mu_j/k_j)$ and no decode.
+
+    **Leaf routing:** a request that reaches cell $j$ joins the running server with the
+    fewest requests present (both stages), the lowest index on ties.
+
+    **Fields:** `servers` `(n,)` (0 for padded cells), `prefill_token_time`,
+    `decode_token_time` `(n,)`, `decode_slots` `(n,)`, `exponential` `(n,)`, `rate` `(n,)`
+    the exponential server's rate, `prefill_bound` `(n,)` whether the prefill stage is the
+    bottleneck (its busy fraction is the utilisation), `workload`; static `tokens`: whether
+    any cell draws token counts (App.-B), so that a batch of exponential cells draws no
+    Gamma variates.
+    """
+
+    servers: Int[Array, " n"]
+    prefill_token_time: Float[Array, " n"]
+    decode_token_time: Float[Array, " n"]
+    decode_slots: Int[Array, " n"]
+    exponential: Bool[Array, " n"]
+    rate: Float[Array, " n"]
+    prefill_bound: Bool[Array, " n"]
+    workload: Workload
+    tokens: bool = eqx.field(static=True)
+
+    def draw(self, key, rows: int, dtype):
+        """`(rows, 3)` draws: prompt tokens $P$, output tokens $D$, a unit exponential."""
+        w = self.workload
+        kp, ko, ke = jr.split(key, 3)
+        expo = jr.exponential(ke, (rows,), dtype)
+        if not self.tokens:
+            zero = jnp.zeros((rows,), dtype)
+            return jnp.stack([zero, zero, expo], axis=-1)
+        prompt = w.prompt_shift + w.prompt_scale * jr.gamma(kp, w.prompt_shape, (rows,), dtype)
+        output = w.output_shift + w.output_scale * jr.gamma(ko, w.output_shape, (rows,), dtype)
+        return jnp.stack([prompt.astype(dtype), output.astype(dtype), expo], axis=-1)
+
+    def work(self, j, row):
+        """Prefill and decode work of a request of cell `j` from its draws `row`."""
+        expo = self.exponential[j]
+        rate = jnp.where(expo, self.rate[j], 1.0)
+        pw = jnp.where(expo, row[2] / rate, row[0] * self.prefill_token_time[j])
+        dw = jnp.where(expo, 0.0, row[1] * self.decode_token_time[j])
+        return pw, dw
+
+
+def serve(row, t, pw, dw, slots: int):
+    """One server's admission (module docstring): `row` `(1 + slots + Q,)` holds when its
+    prefill engine frees, when each decode slot frees ($+\\infty$ for slots it lacks) and
+    the completion times of its requests; a request of prefill work `pw` and decode work
+    `dw` arrives at `t`. Returns `(new_row, c, f, start)`: the row after the admission,
+    the request's completion $c$, the end $f$ of its prefill and the start of its decode
+    (Lindley, then Kiefer-Wolfowitz; $c = f$ when `dw` is 0). The request takes the first
+    free entry of the completion times (one whose time has passed: the caller checks that
+    the server holds fewer than Q)."""
+    f = jnp.maximum(t, row[0]) + pw
+    v = row[1 : 1 + slots]
+    m = jnp.argmin(v)
+    start = jnp.maximum(f, v[m])
+    decode = dw > 0
+    c = jnp.where(decode, start + dw, f)
+    q = jnp.argmin(row[1 + slots :])
+    idx = jnp.arange(row.shape[0])
+    new = jnp.where(idx == 0, f, row)
+    new = jnp.where(decode & (idx == 1 + m), c, new)
+    new = jnp.where(idx == 1 + slots + q, c, new)
+    return new, c, f, start
