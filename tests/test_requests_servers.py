@@ -6,6 +6,7 @@ validation, and an overflow that stays a status."""
 import copy
 import math
 
+import ciw
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,6 +87,21 @@ CASES = {
     "jackson": cell(**JACKSON),
     **{f"inf-{k}": cell(**PREFILL_D, output=o, slots=16) for k, o in OUTPUTS.items()},
     **{f"fifo-{k}": cell(**PREFILL_D, output=OUTPUTS[k], slots=2) for k in ("det", "exp")},
+    # (c) Constant token counts on one server: an M/D/1 prefill (S = 0.12 s, rho = 0.6)
+    # and a constant 0.1 s decode on 16 slots, which almost never fill (about 0.5 requests
+    # in decode, Poisson: P(N > 16) < 1e-25), so the decode adds its time and no wait.
+    "md1": cell(0.01, 0.02, law(12.0, 1.0, 0.0), law(5.0, 1.0, 0.0), slots=16),
+    # (d) Three exponential FIFO servers of rate 25/12 under the leaf's rule (join the
+    # server with the fewest requests present, the lowest index on ties), rho = 0.8:
+    # against ciw (test_jsq_servers_match_ciw).
+    "jsq3": {
+        "name": "jsq3",
+        "cells": [
+            {"name": "c", "arrival_rate": LAM, "replicas": 3,
+             "service": {"model": "mm1", "capacity": 6.25}},
+        ],
+        "latency": [[0.0]],
+    },  # fmt: skip
     # A buffer of one request, exponential prefill, a negligible decode: M/M/1/1.
     "loss": cell(0.01, 1e-9, law(0.0, 1.0, 10.0), law(1.0, 1.0, 0.0), buffer=1.0),
     "mixed": mixed(),
@@ -290,6 +306,89 @@ def test_mm1_fifo_p90(sol):
     tol = 3.0 * seF / (theta * 0.1) + s.histogram_bins.resolution * q
     assert abs(est - q) <= tol, (est, q, tol)
     assert abs(est - math.log(10.0) / 10.0) > tol, (est, tol)  # the negative control
+
+
+# ----------------------------------------------------------------------------------------
+# M/D/1: constant token counts (tests/test_requests_servers.py, case "md1")
+# ----------------------------------------------------------------------------------------
+
+
+def test_md1_prefill_pollaczek_khinchine(sol):
+    """Prefill S = 12 tokens x 10 ms = 0.12 s on one server at 5 requests/s (rho = 0.6):
+    M/D/1, mean wait lambda S^2 / (2 (1 - rho)) = 0.09 s; the decode (5 tokens x 20 ms on
+    16 slots that almost never fill) adds 0.1 s: mean 0.31 s. The negative control, the
+    M/M/1 sojourn at the same mean service S/(1 - rho) + 0.1 = 0.4 s, is rejected."""
+    s = case(sol, "md1")
+    S, d = 0.12, 0.1
+    rho = LAM * S
+    expect = S + LAM * S * S / (2.0 * (1.0 - rho)) + d
+    m, se = mean_se(s.mean_latency())
+    assert within(m, expect, se), (m, se, expect)
+    assert not within(m, S / (1.0 - rho) + d, se)
+    u, se_u = mean_se(s.utilisation[:, 0])
+    assert within(u, rho, se_u), (u, se_u)
+
+
+# ----------------------------------------------------------------------------------------
+# Three exponential FIFO servers under the leaf's rule, against ciw (case "jsq3")
+# ----------------------------------------------------------------------------------------
+
+
+class _FewestPresent(ciw.routing.JoinShortestQueue):
+    """ciw's JoinShortestQueue counts the requests waiting; the leaf counts every request
+    present, in service included."""
+
+    def get_queue_size(self, node_index):
+        return self.simulation.nodes[node_index].number_of_individuals
+
+
+def _ciw_sojourns(rate, mu, servers, horizon, warmup, seed):
+    """Arrivals at a dispatcher (no service) routed to `servers` one-server FIFO nodes by
+    the leaf's rule, lowest index on ties. Returns (arrival dates, sojourns)."""
+    dests = list(range(2, servers + 2))
+    network = ciw.create_network(
+        arrival_distributions=[ciw.dists.Exponential(rate)] + [None] * servers,
+        service_distributions=[ciw.dists.Deterministic(0.0)]
+        + [ciw.dists.Exponential(mu)] * servers,
+        number_of_servers=[float("inf")] + [1] * servers,
+        routing=ciw.routing.NetworkRouting(
+            routers=[_FewestPresent(dests, tie_break="order")]
+            + [ciw.routing.Leave()] * servers
+        ),
+    )
+    ciw.seed(seed)
+    sim = ciw.Simulation(network)
+    sim.simulate_until_max_time(horizon)
+    recs = [r for r in sim.get_all_records() if r.node >= 2 and r.arrival_date > warmup]
+    arr = np.array([r.arrival_date for r in recs])
+    soj = np.array([r.exit_date - r.arrival_date for r in recs])
+    return arr, soj
+
+
+def test_jsq_servers_match_ciw(sol):
+    """Mean and p90 sojourn of three exponential FIFO servers (rate 25/12 each, 5
+    requests/s, rho = 0.8) under the leaf's rule: the twin's 64 trials against one long
+    ciw run (5,000 s, standard errors from 20 batches), within three combined standard
+    errors; for the p90, the twin's per-trial fraction of latencies below ciw's p90 is
+    0.9 within three combined standard errors of the two fractions. The negative control:
+    routing at random (three independent M/M/1 queues at 5/3 requests/s, mean
+    1/(25/12 - 5/3) = 2.4 s) is rejected."""
+    s = case(sol, "jsq3")
+    mu = 6.25 / 3
+    arr, soj = _ciw_sojourns(LAM, mu, 3, 5000.0, 50.0, seed=3)
+    groups = np.array_split(np.argsort(arr), 20)
+    c_means = np.array([soj[g].mean() for g in groups])
+    c_mean, c_se = c_means.mean(), c_means.std(ddof=1) / math.sqrt(len(groups))
+    q90 = float(np.quantile(soj, 0.9))
+    c_F = np.array([np.mean(soj[g] <= q90) for g in groups])
+    c_Fse = c_F.std(ddof=1) / math.sqrt(len(groups))
+
+    m, se = mean_se(s.mean_latency())
+    assert abs(m - c_mean) <= 3.0 * math.hypot(se, c_se), (m, se, c_mean, c_se)
+    assert abs(m - 1.0 / (mu - LAM / 3)) > 3.0 * math.hypot(se, c_se)
+    F, seF = mean_se(cdf_at(s.histogram_bins, s.histogram, q90))
+    tol = 3.0 * math.hypot(seF, c_Fse) + s.histogram_bins.resolution
+    assert abs(F - 0.9) <= tol, (F, seF, c_Fse, q90)
 
 
 # ----------------------------------------------------------------------------------------

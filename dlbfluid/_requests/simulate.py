@@ -22,11 +22,11 @@ from .._service.base import code as law_code
 from .._simulate import _hist_len, _setup
 from .._validate import integer
 from .._validate import invalid as _bad
+from . import admission as adm
+from .fifo import FifoCells
 from .histogram import LatencyHistogram
 from .loop import Trial, _batched, init_state, run_tick
 from .markov import MarkovCells
-from .prefill_decode import PrefillDecodeCells
-from .servers import FifoServers
 from .solution import RequestSolution
 
 REQUEST_STATUS = view("success", "nonfinite", aliases={"overflow": "solver_failed"})
@@ -56,6 +56,8 @@ class _Config(eqx.Module):
     # App.-B prefill/decode servers (`service="servers"` with a cell's `servers` object)
     prefill_decode: bool = False
     max_slots: int = 1
+    # `service="servers"`: the admission-time engine's fixed sizes
+    sizes: adm.Sizes | None = None
 
 
 def _count(field: str, value, minimum: int = 1) -> int:
@@ -67,31 +69,19 @@ def _pow2(x: float) -> int:
 
 
 def _trial(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> Trial:
-    """What every trial of one scenario reads: delays, policy arrays, cells, scaled rates."""
+    """What every trial of one scenario reads (`markov` cells): delays, policy arrays,
+    cells, scaled rates."""
     dtype = scn.latency.dtype
     h = jnp.asarray(cfg.tick, dtype)
     mask = scn.cell_mask
     buffer = jnp.where(jnp.isfinite(scn.buffer), jnp.floor(scale * scn.buffer), jnp.inf)
     lam_max = jnp.where(mask, jnp.max(scn.arrival_rates, axis=-1), 0.0)
-    cells: MarkovCells | FifoServers | PrefillDecodeCells
-    if cfg.service == "markov":
-        cells = MarkovCells(scn.service, scale, cfg.slots)
-    elif cfg.prefill_decode:
-        cells = _prefill_decode(scn, scale, cfg)
-    else:
-        servers = jnp.where(mask, jnp.round(scn.replicas * scale), 0).astype(jnp.int32)
-        cells = FifoServers(
-            rate=scn.service.capacity / scn.replicas,
-            servers=servers,
-            max_servers=cfg.max_servers,
-            queue=cfg.slots,
-        )
     return Trial(
         scn=scn,
         setup=_setup(scn, eta, h, cfg.hist),
         aux=policy.prepare(scn, h, cfg.horizon),
         policy=policy,
-        cells=cells,
+        cells=MarkovCells(scn.service, scale, cfg.slots),
         scale=scale,
         lam_max=lam_max,
         lam_cum=jnp.cumsum(scale * lam_max),
@@ -103,31 +93,76 @@ def _trial(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> Trial:
     )
 
 
-def _prefill_decode(scn, scale, cfg: _Config) -> PrefillDecodeCells:
-    """App.-B cells of one scenario at scale $k$: $kk_j$ servers (`servers.count`), and the
-    M/M/1 cells without a `servers` object as $kk_j$ exponential FIFO servers."""
-    sv, w, mask = scn.servers, scn.workload, scn.cell_mask
+def _fifo_cells(scn, scale, cfg: _Config) -> FifoCells:
+    """The FIFO servers of one scenario at scale $k$: $kk_j$ App.-B servers in a cell with a
+    `servers` object (`servers.count`), $kk_j$ exponential FIFO servers of rate
+    $\\bar\\mu_j/k_j$ in an M/M/1 cell without one."""
+    mask = scn.cell_mask
+    rate = scn.service.capacity / scn.replicas
+    if not cfg.prefill_decode:
+        n = mask.shape[0]
+        servers = jnp.where(mask, jnp.round(scn.replicas * scale), 0).astype(jnp.int32)
+        zero = jnp.zeros(n, rate.dtype)
+        return FifoCells(
+            servers=servers,
+            prefill_token_time=zero,
+            decode_token_time=zero,
+            decode_slots=jnp.zeros(n, jnp.int32),
+            exponential=jnp.ones(n, bool),
+            rate=rate,
+            prefill_bound=jnp.ones(n, bool),
+            workload=scn.workload,
+            tokens=False,
+        )
+    sv, w = scn.servers, scn.workload
     has = mask & sv.mask
     count = jnp.where(has, sv.count.astype(scale.dtype), scn.replicas)
     servers = jnp.where(mask, jnp.round(count * scale), 0).astype(jnp.int32)
-    slots = jnp.where(has, sv.decode_engines * sv.slots, 1).astype(jnp.int32)
+    slots = jnp.where(has, sv.decode_engines * sv.slots, 0).astype(jnp.int32)
     prompt = w.prompt_shift + w.prompt_shape * w.prompt_scale
     output = w.output_shift + w.output_shape * w.output_scale
     prefill = sv.prefill_token_time * prompt
-    decode = sv.decode_token_time * output / slots
-    return PrefillDecodeCells(
+    decode = sv.decode_token_time * output / jnp.maximum(slots, 1)
+    return FifoCells(
         servers=servers,
         prefill_token_time=sv.prefill_token_time,
         decode_token_time=sv.decode_token_time,
         decode_slots=slots,
         exponential=~has,
-        rate=scn.service.capacity / scn.replicas,
+        rate=rate,
         prefill_bound=~has | (prefill >= decode),
         workload=w,
-        max_servers=cfg.max_servers,
-        queue=cfg.slots,
-        max_slots=cfg.max_slots,
-        block=cfg.events,
+        tokens=True,
+    )
+
+
+def _lane(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> adm.Lane:
+    """What every lane of one scenario reads (`servers` cells, `dlbfluid._requests.admission`)."""
+    dtype = scn.latency.dtype
+    h = jnp.asarray(cfg.tick, dtype)
+    mask = scn.cell_mask
+    setup = _setup(scn, eta, h, cfg.hist)
+    buffer = jnp.where(jnp.isfinite(scn.buffer), jnp.floor(scale * scn.buffer), jnp.inf)
+    lam_max = jnp.where(mask, jnp.max(scn.arrival_rates, axis=-1), 0.0)
+    off = setup.offsets  # [i, j]
+    assert cfg.sizes is not None
+    return adm.Lane(
+        scn=scn,
+        setup=setup,
+        aux=policy.prepare(scn, h, cfg.horizon),
+        policy=policy,
+        cells=_fifo_cells(scn, scale, cfg),
+        scale=scale,
+        lam_max=lam_max,
+        lam_cum=jnp.cumsum(scale * lam_max),
+        buffer=buffer.astype(dtype),
+        warmup=jnp.asarray(cfg.warmup, dtype),
+        horizon=jnp.asarray(cfg.horizon, dtype),
+        sorted_offsets=jnp.sort(off.T, axis=-1),
+        rank=jnp.sum(off[None, :, :] < off[:, None, :], axis=1).astype(jnp.int32),
+        ticks=cfg.save_ticks[-1],
+        sizes=cfg.sizes,
+        histogram=cfg.histogram,
     )
 
 
@@ -136,11 +171,7 @@ def _outputs(tr: Trial, st, counts, cfg: _Config) -> dict:
     window = cfg.horizon - cfg.warmup
     s = st.stats
     finite = jnp.isfinite(s.latency_sum) & jnp.all(jnp.isfinite(s.area))
-    status = jnp.where(
-        st.overflow != 0,
-        RESULTS.solver_failed,
-        jnp.where(finite, RESULTS.success, RESULTS.nonfinite),
-    )
+    status = _status(st.overflow, finite)
     return dict(
         count=counts,
         served=s.served,
@@ -152,7 +183,7 @@ def _outputs(tr: Trial, st, counts, cfg: _Config) -> dict:
         mean_requests=s.area / window,
         utilisation=s.busy / window,
         final_x=st.x,
-        status=status.astype(jnp.int32),
+        status=status,
         overflow=st.overflow,
         events=st.events,
     )
@@ -214,7 +245,8 @@ def _run_program(scn, scale, eta, keys, policy, cfg, report=None):
 
     real = jnp.arange(B + pad) < B  # (the padding's runs are not reported)
     args = (*jax.tree_util.tree_map(padded, (scn, scale, eta, keys)), real)
-    out = per_device(lambda s, k, e, r, m: _program(s, k, e, r, policy, cfg, report, m))(*args)
+    prog = _program if cfg.sizes is None else _fifo_program
+    out = per_device(lambda s, k, e, r, m: prog(s, k, e, r, policy, cfg, report, m))(*args)
     return {name: a[:B] for name, a in out.items()}
 
 
@@ -250,6 +282,59 @@ def _program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
         jax.vmap(lambda t, s, c: _outputs(t, s, c, cfg), in_axes=(None, 0, 0)),
         in_axes=(0, 0, 0),
     )(tr, st, counts)
+
+
+def _status(overflow, finite):
+    """The `RESULTS` code of a trial: an overflow is `solver_failed`, a non-finite
+    statistic `nonfinite`."""
+    status = jnp.where(
+        overflow != 0,
+        RESULTS.solver_failed,
+        jnp.where(finite, RESULTS.success, RESULTS.nonfinite),
+    )
+    return status.astype(jnp.int32)
+
+
+def _fifo_program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
+    """`_program` for `servers` cells: the admission-time engine
+    (`dlbfluid._requests.admission`), one tick loop for the batch, the counts at
+    `cfg.save_ticks`, `report` as in `_program`."""
+    ln = jax.vmap(lambda s, k, e: _lane(s, k, e, policy=policy, cfg=cfg))(scn, scale, eta)
+    st = adm.initial_state(ln, keys)
+    assert cfg.sizes is not None
+    G, K = cfg.sizes.chunk, cfg.save_ticks[-1]
+    n_save = len(cfg.save_ticks) - 1
+    marks = jnp.asarray(cfg.save_ticks, jnp.int32)
+    saves = jnp.zeros(st.count.shape[:2] + (n_save + 1,) + st.count.shape[2:], jnp.int32)
+    saves = saves.at[:, :, 0].set(st.count)
+
+    def tick(k, carry):
+        s, saved = carry
+        s = adm.run_tick(ln, k, s)
+        at = jnp.searchsorted(marks, k + 1)
+        hit = marks[jnp.minimum(at, n_save)] == k + 1
+        saved = saved.at[:, :, jnp.where(hit, at, n_save + 1)].set(s.count, mode="drop")
+        return s, saved
+
+    def chunk(c, carry):
+        s0, _ = carry
+        a = c * G
+        s, saved = jax.lax.fori_loop(a, jnp.minimum(a + G, K), tick, carry)
+        if report is not None:
+            w = jnp.ones(keys.shape[0], bool) if real is None else real
+            arrived = jnp.sum(jnp.where(w[:, None, None], s.stats.arrivals - s0.stats.arrivals, 0))
+            events = jnp.sum(jnp.where(w[:, None], s.events - s0.events, 0))
+            jax.debug.callback(report, arrived, events, ordered=False)
+        return adm.next_chunk(ln, a + G, s), saved
+
+    st, counts = jax.lax.fori_loop(0, -(-K // G), chunk, (st, saves))
+    window = cfg.horizon - cfg.warmup
+
+    def one(ln1, s1, c1):
+        finite = jnp.isfinite(s1.stats.latency_sum) & jnp.all(jnp.isfinite(s1.stats.area))
+        return adm.outputs(ln1, s1, c1, window, _status(s1.overflow, finite))
+
+    return jax.vmap(jax.vmap(one, in_axes=(None, 0, 0)), in_axes=(0, 0, 0))(ln, st, counts)
 
 
 def _batch(scenario, scale):
@@ -343,7 +428,7 @@ def _servers_plan(scenario, scn, service: str, k_b, batched: bool) -> _Plan:
             service,
             f"'servers' needs a 'servers' object on {cell}"
             + (f" of scenario {b}" if batched else "")
-            + " (the App.-B prefill/decode servers: README, Scenario files) or an M/M/1 "
+            + " (the App.-B prefill/decode servers: docs/scenarios.md) or an M/M/1 "
             "cell (k_j exponential FIFO servers); use service='markov' for other laws",
         )
     if np.any(mask & ~has & (np.abs(count - np.round(count)) > 1e-9)):
@@ -412,6 +497,44 @@ def _default_events(scn, k_b, h: float, plan: _Plan) -> int:
     return _pow2(16.0 + m + 6.0 * math.sqrt(m))
 
 
+def _poisson_cap(mean: float, floor: float = 8.0) -> int:
+    """A power of two above `floor` + `mean` + six standard deviations of a Poisson count."""
+    return _pow2(floor + mean + 6.0 * math.sqrt(mean))
+
+
+def _fifo_sizes(scn, k_b, h: float, K: int, plan: _Plan, queue: int, inbox, candidates, ring):
+    """`(Sizes, inbox, candidates)`: the fixed sizes of the admission-time engine
+    (`dlbfluid._requests.admission.Sizes`; theory/requests.md, *Sizes*). The candidates of
+    a tick are Poisson of mean $m = h\\Lambda$, $\\Lambda = k\\sum_i\\bar\\lambda_i$; a
+    cell's deliveries in a tick are at most that; a chunk holds about 256 candidates."""
+    mask, lam = np.asarray(scn.cell_mask), np.asarray(scn.arrival_rates)
+    total = np.max(k_b * np.where(mask, lam.max(-1), 0.0).sum(-1))
+    m = float(total) * h
+    inbox = _count("arc_slots", _poisson_cap(m) if inbox is None else inbox)
+    candidates = _count("events", _poisson_cap(m) if candidates is None else candidates)
+    chunk = 1 << int(np.clip(np.floor(np.log2(256.0 / max(m, 1e-9))), 4, 12))
+    calendar = 1 << int(np.clip(np.ceil(np.log2(2.5 / h)), 6, 12))
+    chunk = min(chunk, 1 << max(int(K) - 1, 1).bit_length(), calendar // 2)
+    rows = _poisson_cap(m * chunk, 16.0)
+    init = np.where(mask, np.round(k_b[:, None] * np.asarray(scn.initial_workload)), 0)
+    token_rows = _poisson_cap(m * (chunk + ring), 16.0) + _pow2(float(init.sum(-1).max()) + 1)
+    sizes = adm.Sizes(
+        servers=plan.max_servers,
+        queue=queue,
+        slots=max(plan.max_slots, 1),
+        calendar=calendar,
+        # (a cell holds at most S Q requests: the far list needs no more)
+        far=int(np.clip(_pow2(plan.max_servers * queue), 64, 1024)),
+        ring=ring,
+        inbox=inbox,
+        candidates=candidates,
+        chunk=chunk,
+        rows=rows,
+        token_rows=token_rows,
+    )
+    return sizes, inbox, candidates
+
+
 def simulate_requests(
     scenario: Scenario,
     policy: str | AbstractPolicy,
@@ -455,8 +578,8 @@ def simulate_requests(
       $k\\mu_j(N/k)$, each present request equally likely (`MarkovCells`); `"servers"`:
       a cell with a `servers` object is $k$ times its count of App.-B prefill/decode
       servers, requests drawing their token counts from the scenario's `workload`
-      (`PrefillDecodeCells`); an M/M/1 cell without one is $kk_j$ exponential FIFO servers
-      of rate $\\bar\\mu_j/k_j$ each (`FifoServers` when no cell has a `servers` object);
+      (`FifoCells`); an M/M/1 cell without one is $kk_j$ exponential FIFO servers
+      of rate $\\bar\\mu_j/k_j$ each;
       a request joins the least-loaded server. Other cells need `"markov"`.
     - `scale`: $k$, a positive integer or one per scenario `(B,)`: arrival rates,
       replicas and buffers times $k$, service $k\\mu_j(N/k)$. $N^k/k \\to$ the fluid $N$.
@@ -467,10 +590,13 @@ def simulate_requests(
     - `slots`: requests a cell can hold (`markov`), or each server's queue (`servers`);
       default: the largest scaled buffer + 1 when every buffer is finite (App.-B servers:
       the largest $\\lfloor kB_j/S_j\\rfloor + 2$, which join-the-shortest-queue cannot
-      exceed), else four times the fluid workload at 95% of capacity, at least 64. `arc_slots`: requests in flight
-      per arc (default from the arrival rates and delays). `events`: events per tick
-      (default six standard deviations above the largest Poisson mean). Exceeding any of
-      them is a status, never a silent truncation.
+      exceed), else four times the fluid workload at 95% of capacity, at least 64.
+      `arc_slots`: requests in flight per arc (`markov`), or requests a cell receives in
+      one tick (`servers`); default from the arrival rates and delays. `events`: events
+      per tick (`markov`), or arrival candidates per tick (`servers`); default six
+      standard deviations above the largest Poisson mean. Exceeding any of them (and,
+      for `servers`, a cell's list of completions beyond the count calendar) is a status,
+      never a silent truncation.
     - `histogram`: the latency bins of the percentiles (`LatencyHistogram`).
     - `dtype`: `jnp.float64` (default; needs JAX's x64 mode, `dlbfluid.enable_x64()`) or
       `jnp.float32`.
@@ -510,11 +636,16 @@ def simulate_requests(
     plan = _servers_plan(scenario, scn, service, k_b, batched)
     slots = _count("slots", _default_slots(scn, service, k_b, plan) if slots is None else slots)
     tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
-    if arc_slots is None:
-        mean = float(k_b.max()) * float(np.max(lam)) * float(tau.max())
-        arc_slots = _pow2(32.0 + 4.0 * mean + 8.0 * math.sqrt(mean))
-    arc_slots = _count("arc_slots", arc_slots)
-    events = _count("events", _default_events(scn, k_b, h, plan) if events is None else events)
+    hist = _hist_len(float(tau.max()) / h)
+    sizes = None
+    if service == "servers":
+        sizes, arc_slots, events = _fifo_sizes(scn, k_b, h, K, plan, slots, arc_slots, events, hist)
+    else:
+        if arc_slots is None:
+            mean = float(k_b.max()) * float(np.max(lam)) * float(tau.max())
+            arc_slots = _pow2(32.0 + 4.0 * mean + 8.0 * math.sqrt(mean))
+        arc_slots = _count("arc_slots", arc_slots)
+        events = _count("events", _default_events(scn, k_b, h, plan) if events is None else events)
 
     save_ticks = tuple(int(s) for s in (np.arange(n_save + 1) * K) // n_save)
     cfg = _Config(
@@ -523,7 +654,7 @@ def simulate_requests(
         horizon=float(T),
         warmup=float(w),
         save_ticks=save_ticks,
-        hist=_hist_len(float(tau.max()) / h),
+        hist=hist,
         slots=slots,
         arc_slots=arc_slots,
         events=events,
@@ -531,12 +662,14 @@ def simulate_requests(
         histogram=histogram,
         prefill_decode=plan.prefill_decode,
         max_slots=plan.max_slots,
+        sizes=sizes,
     )
     scn = jax.tree_util.tree_map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
     )
     keys = jr.split(jr.PRNGKey(seed), B * trials).reshape(B, trials, -1)
-    report = _Report(n_save * jax.local_device_count()) if progress else None
+    units = n_save if sizes is None else -(-K // sizes.chunk)  # (save intervals, or chunks)
+    report = _Report(units * jax.local_device_count()) if progress else None
     out = _run(scn, jnp.asarray(k_b, dtype), jnp.asarray(eta_b, dtype), keys, pol, cfg, report)
     per = dict(out, scale=jnp.asarray(k_b, dtype), cell_mask=jnp.asarray(scn.cell_mask))
     if not batched:

@@ -14,6 +14,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._results import RESULTS, raise_for_status, status_names
 from .._runtime.eager import eager_jit
+from .admission import OVERFLOW_CALENDAR
 from .histogram import LatencyHistogram
 from .loop import OVERFLOW_ARCS, OVERFLOW_CELLS, OVERFLOW_EVENTS
 
@@ -48,7 +49,7 @@ class RequestSolution(eqx.Module):
     - `final_x`: `(..., n, n)` the routing at $T$.
     - `status`: `RESULTS` code per scenario and trial (`REQUEST_STATUS`); `overflow`:
       which fixed-size array overflowed (bits: 1 cell slots or server queues, 2 arcs,
-      4 events of a tick).
+      4 events of a tick, 8 far completions of `servers` cells).
     - `events`: event-loop iterations; `scale`: `(B,)` the scale $k$; `window`: $T - t_w$.
     """
 
@@ -126,6 +127,11 @@ class RequestSolution(eqx.Module):
                 parts.append("an arc's requests in flight exceeded `arc_slots`: increase it")
             if np.any(ov[bad] & OVERFLOW_EVENTS):
                 parts.append("a tick had more events than `events`: increase it")
+            if np.any(ov[bad] & OVERFLOW_CALENDAR):
+                parts.append(
+                    "a cell held more completions beyond the count calendar than its far list "
+                    "(servers cells): lengthen the tick or shorten the queues (`slots`)"
+                )
             return "; " + "; ".join(parts) if parts else ""
 
         raise_for_status(

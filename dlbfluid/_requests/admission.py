@@ -1,0 +1,590 @@
+"""The admission-time engine of `servers` cells: the request-level twin whose cost follows
+the requests, plus the ticks (theory/requests.md, *FIFO cells at admission*).
+
+In a cell of FIFO servers a request's completion time is fixed when it is admitted
+(`FifoCells`: Lindley's recursion for the prefill engine, Kiefer-Wolfowitz's for the
+decode slots), so admission is the only event of a cell. A tick $[t_k, t_{k+1})$ is then a
+block:
+
+1. **Arrivals** (`_arrive`). The candidates of the tick (a Poisson process of rate
+   $\\Lambda = k\\sum_i\\bar\\lambda_i$, drawn for `chunk` ticks at a time: `_redraw`) pick a
+   root by $k\\bar\\lambda_i/\\Lambda$, are kept with probability
+   $\\lambda_i(t)/\\bar\\lambda_i$ (thinning), and are routed by the tick's fixed $x_i$. A
+   request routed on arc $(i,j)$ at $s$ reaches $j$ at $s + \\tau_{ij}$, in tick
+   $k + m_{ij}$ or $k + m_{ij} + 1$ ($\\tau_{ij} = m_{ij}h + r_{ij}$): it is written into
+   cell $j$'s inbox of that tick (a ring of ticks).
+2. **Admissions** (`_deliver`, `_admit`). Given their deliveries, cells are independent
+   inside a tick; each lane admits its tick's deliveries in time order, one per
+   iteration of a loop that runs while any lane has one left. An admission reads the
+   per-server counts at its time (completion times after it), tests the buffer, joins
+   the shortest queue, fixes the completion, and counts the request's statistics at once
+   (latency, its share of the time integrals).
+3. **Counts and probes** (`_finish`). Each admission adds $+1$ and each completion $-1$
+   to a calendar of count changes `(W ticks, n cells, n + 1 segments)`, the segment
+   being the number of the cell's probe offsets at or before the change; a completion
+   more than `W` ticks ahead waits in a short per-cell list (`far`) and enters the
+   calendar at most `W` ticks before its tick (`_far`). At the tick's end, arc
+   $(i, j)$'s probe at offset $h - r_{ij}$ is the count at $t_k$ plus the changes of the
+   segments before it, and the routers update as in the fluid simulator.
+
+A tick without requests costs the arrivals' window, the calendar's row and the routers'
+update. Everything a lane holds has a fixed size (`Sizes`); an overflow sets a bit of
+`overflow` and the lane's status, never a silent truncation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int
+
+from .._policies import AbstractPolicy, Observation, TickSetup
+from .._policies.base import replica_fractions
+from .._scenario import Scenario
+from .._scenario.arrivals import rate_at
+from .fifo import FifoCells, running, serve
+from .histogram import LatencyHistogram
+from .loop import OVERFLOW_ARCS, OVERFLOW_CELLS, OVERFLOW_EVENTS, Stats
+
+OVERFLOW_CALENDAR = 8
+"""Overflow bit: a cell's list of far completions (`Sizes.far`) was full."""
+
+
+class Sizes(eqx.Module):
+    """The fixed sizes of a lane (static; chosen by `simulate_requests`).
+
+    **Fields:** `servers` $S$ (server axis), `queue` $Q$ (requests a server holds),
+    `slots` $D$ (decode slots per server), `calendar` $W$ (ticks of the count calendar),
+    `far` $F$ (far completions per cell), `ring` $L$ (ticks of the inboxes, above
+    $\\max m_{ij} + 1$), `inbox` $C$ (deliveries per cell and tick), `candidates` $A$
+    (arrival candidates per tick), `chunk` $G$ (ticks per draw of random numbers), `rows`
+    (candidates per chunk), `token_rows` (admissions per chunk).
+    """
+
+    servers: int
+    queue: int
+    slots: int
+    calendar: int
+    far: int
+    ring: int
+    inbox: int
+    candidates: int
+    chunk: int
+    rows: int
+    token_rows: int
+
+
+class Lane(eqx.Module):
+    """What the lanes of one scenario read and never change.
+
+    **Fields:** `scn`; `setup` the routers' `TickSetup`; `aux` the policy's arrays;
+    `policy`; `cells` (`FifoCells`); `scale` $k$; `lam_max` `(n,)` the profiles' maxima;
+    `lam_cum` `(n,)` cumulative $k\\bar\\lambda_i$; `buffer` `(n,)` $kB_j$ floored
+    ($+\\infty$: none); `warmup`, `horizon`; `sorted_offsets` `(n, n)` each cell's probe
+    offsets in increasing order (row $j$); `rank` `(n, n)` $q_{ij}$, the number of cell
+    $j$'s probe offsets strictly before arc $(i, j)$'s; `ticks` $K$; `sizes`;
+    `histogram`.
+    """
+
+    scn: Scenario
+    setup: TickSetup
+    aux: object
+    policy: AbstractPolicy = eqx.field(static=True)
+    cells: FifoCells
+    scale: Float[Array, ""]
+    lam_max: Float[Array, " n"]
+    lam_cum: Float[Array, " n"]
+    buffer: Float[Array, " n"]
+    warmup: Float[Array, ""]
+    horizon: Float[Array, ""]
+    sorted_offsets: Float[Array, "n n"]
+    rank: Int[Array, "n n"]
+    ticks: int = eqx.field(static=True)
+    sizes: Sizes = eqx.field(static=True)
+    histogram: LatencyHistogram = eqx.field(static=True)
+
+
+class FifoState(eqx.Module):
+    """The state of one lane (a scenario's trial), grouped by role.
+
+    **Random numbers:** `key`; `cand` `(rows + A, 4)` the chunk's arrival candidates
+    (time, then uniforms for the root, the thinning and the route; `+inf` times past
+    the end), `ptr` the next one; `tokens` `(token_rows, 3)` the chunk's draws for
+    admissions (`FifoCells.draw`), `tptr` the next one.
+    **Servers:** `srv` `(n, S, 1 + D + Q)`, per server: when its prefill engine frees,
+    when each of its decode slots frees ($+\\infty$ for slots it does not have), and the
+    completion times of the requests it holds (a slot whose time has passed is free);
+    one row per server, so that an admission reads its cell's servers and writes one row.
+    `active` `(n,)` running servers; `buffer` `(n,)` buffers of the tick.
+    **Counts:** `count` `(n,)` requests present at $t_k$; `cal` `(W, n, n + 1)` count
+    changes by tick and probe segment; `far` `(n, F)` completions beyond the calendar
+    ($+\\infty$: empty).
+    **Network:** `inbox` `(L, n, C, 2)` delivery times and origins of the requests that
+    reach each cell in each tick of the ring; `inbox_n` `(L, n)` their number.
+    **Routers:** `x`, `xc` (cumulative rows), `policy_state`, `obs_ring` as in the
+    fluid simulator; `tick_arrivals`, `tick_drops` `(n,)` the tick's deliveries and
+    rejections per cell (error aversion).
+    **Outputs:** `stats` (`Stats`: `area` and `busy` are time integrals of the count and
+    of the busy servers, accumulated per request), `run_area` `(n,)` the integral of the
+    running servers, `overflow` bits, `events` admissions made.
+    """
+
+    key: Array
+    cand: Float[Array, "R 4"]
+    ptr: Int[Array, ""]
+    tokens: Float[Array, "T 3"]
+    tptr: Int[Array, ""]
+    srv: Float[Array, "n S R"]
+    active: Int[Array, " n"]
+    buffer: Float[Array, " n"]
+    count: Int[Array, " n"]
+    cal: Int[Array, "W n m"]
+    far: Float[Array, "n F"]
+    inbox: Float[Array, "L n C 2"]
+    inbox_n: Int[Array, "L n"]
+    x: Float[Array, "n n"]
+    xc: Float[Array, "n n"]
+    policy_state: object
+    obs_ring: Float[Array, "hist n n"]
+    tick_arrivals: Int[Array, " n"]
+    tick_drops: Int[Array, " n"]
+    stats: Stats
+    run_area: Float[Array, " n"]
+    overflow: Int[Array, ""]
+    events: Int[Array, ""]
+
+
+def _cum_routing(scn: Scenario, x):
+    return jnp.cumsum(jnp.where(scn.allowed, jnp.maximum(x, 0.0), 0.0), axis=-1)
+
+
+def _first_min(v):
+    """Index of the first minimum of `v` (two plain reductions, which vectorise)."""
+    m = jnp.min(v)
+    return jnp.min(jnp.where(v == m, jnp.arange(v.shape[0]), v.shape[0] - 1))
+
+
+def _overlap(a, b, lo, hi):
+    """Length of $[a, b] \\cap [lo, hi]$."""
+    return jnp.maximum(jnp.minimum(b, hi) - jnp.maximum(a, lo), 0.0)
+
+
+def _bit(flag, bit: int):
+    return jnp.where(flag, bit, 0).astype(jnp.int32)
+
+
+def init_lane(ln: Lane, key) -> FifoState:
+    """The state at $t = 0$ with chunk 0 drawn; the initial requests are admitted by
+    `admit_initial`."""
+    scn, setup, z = ln.scn, ln.setup, ln.sizes
+    n, dtype = scn.n_cells, scn.latency.dtype
+    x0 = ln.policy.initial_routing(scn, ln.aux).astype(dtype)
+    counts = jnp.where(scn.cell_mask, jnp.round(ln.scale * scn.initial_workload), 0)
+    counts = counts.astype(jnp.int32)
+    seen = counts.astype(dtype) / ln.scale
+    slot_ok = jnp.arange(z.slots)[None, None, :] < ln.cells.decode_slots[:, None, None]
+    zi = jnp.zeros(n, jnp.int32)
+    zf = jnp.zeros(n, dtype)
+    stats = Stats(
+        served=jnp.zeros((), jnp.int32),
+        latency_sum=jnp.zeros((), dtype),
+        latency_sq=jnp.zeros((), dtype),
+        histogram=jnp.zeros(ln.histogram.bins + 2, jnp.int32),
+        arrivals=zi,
+        drops=zi,
+        area=zf,
+        busy=zf,
+    )
+    st = FifoState(
+        key=key,
+        cand=jnp.zeros((z.rows + z.candidates, 4), dtype),
+        ptr=jnp.zeros((), jnp.int32),
+        tokens=jnp.zeros((z.token_rows, 3), dtype),
+        tptr=jnp.zeros((), jnp.int32),
+        srv=jnp.concatenate(
+            [
+                jnp.zeros((n, z.servers, 1), dtype),
+                jnp.broadcast_to(jnp.where(slot_ok, 0.0, jnp.inf), (n, z.servers, z.slots)).astype(
+                    dtype
+                ),
+                jnp.full((n, z.servers, z.queue), -1.0, dtype),
+            ],
+            axis=-1,
+        ),
+        active=ln.cells.servers,
+        buffer=ln.buffer,
+        count=counts,
+        cal=jnp.zeros((z.calendar, n, n + 1), jnp.int32),
+        far=jnp.full((n, z.far), jnp.inf, dtype),
+        inbox=jnp.full((z.ring, n, z.inbox, 2), jnp.inf, dtype),
+        inbox_n=jnp.zeros((z.ring, n), jnp.int32),
+        x=x0,
+        xc=_cum_routing(scn, x0),
+        policy_state=ln.policy.init_state(scn, setup, ln.aux, x0),
+        obs_ring=jnp.broadcast_to(seen[None, None, :], (setup.hist, n, n)),
+        tick_arrivals=zi,
+        tick_drops=zi,
+        stats=stats,
+        run_area=zf,
+        overflow=jnp.zeros((), jnp.int32),
+        events=jnp.zeros((), jnp.int32),
+    )
+    return redraw(ln, st, jnp.zeros((), jnp.int32))
+
+
+def redraw(ln: Lane, st: FifoState, k0) -> FifoState:
+    """The random numbers of the chunk of ticks $[k_0, k_0 + G)$: the arrival candidates
+    as a Poisson process of rate $\\Lambda$ (cumulative exponential gaps; too few to pass
+    the chunk's end is an `OVERFLOW_EVENTS`), their uniforms, and the admissions' draws."""
+    z, h = ln.sizes, ln.setup.h
+    dtype = st.cand.dtype
+    key, kg, ku, kt = jr.split(st.key, 4)
+    lam = ln.lam_cum[-1]
+    t0 = k0.astype(dtype) * h
+    gaps = jr.exponential(kg, (z.rows,), dtype) / jnp.where(lam > 0, lam, 1.0)
+    times = jnp.where(lam > 0, t0 + jnp.cumsum(gaps), jnp.inf)
+    short = jnp.isfinite(times[-1]) & (times[-1] < t0 + z.chunk * h)
+    u = jr.uniform(ku, (z.rows, 3), dtype)
+    cand = jnp.concatenate([times[:, None], u], axis=1)
+    pad = jnp.concatenate(
+        [jnp.full((z.candidates, 1), jnp.inf, dtype), jnp.zeros((z.candidates, 3), dtype)],
+        axis=1,
+    )
+    return dataclasses.replace(
+        st,
+        key=key,
+        cand=jnp.concatenate([cand, pad]),
+        ptr=jnp.zeros_like(st.ptr),
+        tokens=ln.cells.draw(kt, z.token_rows, dtype),
+        tptr=jnp.zeros_like(st.tptr),
+        overflow=st.overflow | _bit(short, OVERFLOW_EVENTS),
+    )
+
+
+def _segment(ln: Lane, j, local):
+    """The probe segment of a change at local time `local` in cell `j`: the number of the
+    cell's probe offsets at or before it."""
+    return jnp.sum(ln.sorted_offsets[j] <= local).astype(jnp.int32)
+
+
+def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
+    """Admit (if `ok`) a request of origin `origin` delivered to cell `j` at time `t` in
+    tick `k` (module docstring, step 2). `initial`: one of the requests present at
+    $t = 0$ (no buffer test; it is in the count at $t_0$ already).
+
+    Cell $j$'s servers are read as one block and the chosen server's row written back
+    whole: each array is read and written once per admission, the fewest kernels."""
+    z, cells, h = ln.sizes, ln.cells, ln.setup.h
+    D, S = z.slots, z.servers
+    dtype = t.dtype
+    block = st.srv[j]  # (S, 1 + D + Q)
+    comp = block[:, 1 + D :]
+    per = jnp.sum(comp > t, axis=-1).astype(jnp.int32)
+    total = jnp.sum(per)
+    reject = ok & ~initial & (total.astype(dtype) >= st.buffer[j])
+    valid = jnp.arange(S) < st.active[j]
+    s = _first_min(jnp.where(valid, per, jnp.iinfo(jnp.int32).max))
+    pick = jnp.arange(S) == s
+    row = jnp.sum(jnp.where(pick[:, None], block, 0.0), axis=0)  # (one-hot: no gather)
+    per_s = jnp.sum(jnp.where(pick, per, 0))
+    full = ok & ~reject & ((per_s >= z.queue) | ~jnp.any(pick & valid))
+    do = ok & ~reject & ~full
+    tok = st.tokens[jnp.minimum(st.tptr, z.token_rows - 1)]
+    no_row = do & (st.tptr >= z.token_rows)
+    pw, dw = cells.work(j, tok)
+    new_row, c, pf, vstart = serve(row, t, pw, dw, D)
+    decode = dw > 0
+    # (an index past an array drops the write; the row written depends on the block read)
+    srv = st.srv.at[j, jnp.where(do, s, S)].set(new_row, mode="drop")
+
+    # Count changes: +1 at the admission, -1 at the completion (if before the horizon);
+    # a completion beyond the calendar waits in `far`.
+    tk = k.astype(dtype) * h
+    kc = jnp.maximum(jnp.floor(c / h).astype(jnp.int32), k)
+    ends = do & (kc < ln.ticks)
+    near = kc < k + z.calendar
+    offs = ln.sorted_offsets[j]
+    local = jnp.stack([t - tk, c - kc.astype(dtype) * h])
+    seg = jnp.sum(offs[None, :] <= local[:, None], axis=-1).astype(jnp.int32)
+    ticks = jnp.stack(
+        [
+            jnp.where(do & ~initial, k % z.calendar, z.calendar),
+            jnp.where(ends & near, kc % z.calendar, z.calendar),
+        ]
+    )
+    cal = st.cal.at[ticks, j, seg].add(jnp.array([1, -1], jnp.int32), mode="drop")
+    far_j = st.far[j]
+    free = ~jnp.isfinite(far_j)
+    slot = jnp.argmax(free)
+    into_far = ends & ~near
+    far = st.far.at[j, jnp.where(into_far & jnp.any(free), slot, z.far)].set(c, mode="drop")
+    far_full = into_far & ~jnp.any(free)
+
+    # Statistics, at once: the request's latency and its share of the time integrals.
+    w0, T = ln.warmup, ln.horizon
+    s_ = st.stats
+    served = do & (c >= w0) & (c < T)
+    lat = c - origin
+    busy = jnp.where(
+        cells.prefill_bound[j],
+        _overlap(pf - pw, pf, w0, T),
+        jnp.where(decode, _overlap(vstart, c, w0, T), 0.0)
+        / jnp.maximum(cells.decode_slots[j], 1).astype(dtype),
+    )
+    onehot = (jnp.arange(ln.scn.n_cells) == j).astype(jnp.int32)
+    lost = (reject | full).astype(jnp.int32) * onehot
+    win = (t >= w0).astype(jnp.int32)
+    stats = Stats(
+        served=s_.served + served.astype(jnp.int32),
+        latency_sum=s_.latency_sum + jnp.where(served, lat, 0.0),
+        latency_sq=s_.latency_sq + jnp.where(served, lat * lat, 0.0),
+        histogram=s_.histogram.at[
+            jnp.where(served, ln.histogram.index(lat), ln.histogram.bins + 2)
+        ].add(1, mode="drop"),
+        arrivals=s_.arrivals,
+        drops=s_.drops + win * lost,
+        area=s_.area + jnp.where(do, _overlap(t, c, w0, T), 0.0) * onehot,
+        busy=s_.busy + jnp.where(do, busy, 0.0) * onehot,
+    )
+    deliv = (ok & ~initial).astype(jnp.int32) * onehot
+    return dataclasses.replace(
+        st,
+        tptr=(st.tptr + do).astype(jnp.int32),
+        srv=srv,
+        cal=cal,
+        far=far,
+        tick_arrivals=st.tick_arrivals + deliv,
+        tick_drops=st.tick_drops + (~initial).astype(jnp.int32) * lost,
+        stats=stats,
+        overflow=st.overflow
+        | _bit(full, OVERFLOW_CELLS)
+        | _bit(no_row, OVERFLOW_EVENTS)
+        | _bit(far_full, OVERFLOW_CALENDAR),
+        events=(st.events + ok).astype(jnp.int32),
+    )
+
+
+def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
+    """The tick's replica fractions (running servers, buffers, the running servers'
+    integral) and its arrivals (module docstring, step 1)."""
+    scn, setup, z = ln.scn, ln.setup, ln.sizes
+    n, dtype, h = scn.n_cells, st.cand.dtype, setup.h
+    t0 = k.astype(dtype) * h
+    t1 = t0 + h
+    frac = replica_fractions(scn, t0 + 0.5 * h)
+    frac = jnp.where(scn.cell_mask & (frac > 0), frac, 1.0).astype(dtype)
+    active = running(ln.cells.servers, frac)
+    b = jnp.floor(ln.scale * frac * scn.buffer)
+    buffer = jnp.where(jnp.isfinite(scn.buffer), b, jnp.inf).astype(dtype)
+    run_area = st.run_area + active.astype(dtype) * _overlap(t0, t1, ln.warmup, ln.horizon)
+
+    win = jax.lax.dynamic_slice_in_dim(st.cand, st.ptr, z.candidates, axis=0)
+    time = win[:, 0]
+    valid = time < t1
+    got = jnp.sum(valid.astype(jnp.int32)).astype(jnp.int32)
+    too_many = got >= z.candidates
+    lam_total = ln.lam_cum[-1]
+    i = jnp.minimum(jnp.sum(ln.lam_cum[None, :] <= (win[:, 1] * lam_total)[:, None], -1), n - 1)
+    lam_i = jax.vmap(rate_at)(scn.arrival_times[i], scn.arrival_rates[i], time)
+    accept = valid & (win[:, 2] * ln.lam_max[i] < lam_i)
+    xc = st.xc[i]
+    j = jnp.minimum(jnp.sum(xc <= (win[:, 3] * xc[:, -1])[:, None], -1), n - 1)
+    tau, m, r = setup.tau[i, j], setup.m[i, j], setup.r[i, j]
+    v = k + m + (time - t0 + r >= h).astype(jnp.int32)
+    slot = v % z.ring
+    key = slot * n + j
+    A = z.candidates
+    before = jnp.arange(A)[None, :] < jnp.arange(A)[:, None]
+    rank = jnp.sum((key[:, None] == key[None, :]) & accept[None, :] & before, -1)
+    pos = st.inbox_n[slot, j] + rank.astype(jnp.int32)
+    arc_full = accept & (pos >= z.inbox)
+    put = accept & ~arc_full
+    rows = jnp.where(put, slot, z.ring)
+    inbox = st.inbox.at[rows, j, pos].set(jnp.stack([time + tau, time - tau], -1), mode="drop")
+    inbox_n = st.inbox_n.at[rows, j].add(1, mode="drop")
+    s_ = st.stats
+    in_win = time >= ln.warmup
+    cells_ = jnp.arange(n)[None, :]
+    arrivals = s_.arrivals + jnp.sum((i[:, None] == cells_) & (accept & in_win)[:, None], 0)
+    drops = s_.drops + jnp.sum((j[:, None] == cells_) & (arc_full & in_win)[:, None], 0)
+    return dataclasses.replace(
+        st,
+        ptr=st.ptr + got,
+        active=active,
+        buffer=buffer,
+        run_area=run_area,
+        inbox=inbox,
+        inbox_n=inbox_n,
+        stats=dataclasses.replace(
+            s_, arrivals=arrivals.astype(jnp.int32), drops=drops.astype(jnp.int32)
+        ),
+        overflow=st.overflow
+        | _bit(too_many, OVERFLOW_EVENTS)
+        | _bit(jnp.any(arc_full), OVERFLOW_ARCS),
+    )
+
+
+def pending(ln: Lane, st: FifoState, k):
+    """`(n C,)` the delivery times of tick `k` not yet admitted ($+\\infty$ past each
+    cell's count)."""
+    z = ln.sizes
+    slot = k % z.ring
+    keep = jnp.arange(z.inbox)[None, :] < st.inbox_n[slot][:, None]
+    return jnp.where(keep, st.inbox[slot, :, :, 0], jnp.inf).reshape(-1)
+
+
+def admit_next(ln: Lane, st: FifoState, todo, k):
+    """Admit the lane's earliest delivery of tick `k` left in `todo` (a no-op when none)."""
+    z = ln.sizes
+    a = _first_min(todo)
+    t = todo[a]
+    ok = jnp.isfinite(t)
+    j, c = a // z.inbox, a % z.inbox
+    origin = st.inbox[k % z.ring, j, c, 1]
+    st = admit(ln, st, k, j, jnp.where(ok, t, 0.0), origin, ok, jnp.zeros((), bool))
+    return st, todo.at[a].set(jnp.inf)
+
+
+def finish(ln: Lane, st: FifoState, k) -> FifoState:
+    """The end of tick `k`: the probes from the calendar's row (module docstring, step
+    3), the counts at $t_{k+1}$, and every router's update (`AbstractPolicy.update`, with
+    the replica fractions observed $\\tau_{ij}$ late when the scenario has a schedule)."""
+    scn, setup, z = ln.scn, ln.setup, ln.sizes
+    n, dtype = scn.n_cells, st.x.dtype
+    row = st.cal[k % z.calendar]  # (n, n + 1)
+    # probes[i, j] = count_j(t_k) + the changes of cell j in segments 0 .. rank[i, j]
+    before = jnp.arange(n + 1)[None, None, :] <= ln.rank[:, :, None]
+    probes = st.count[None, :] + jnp.sum(jnp.where(before, row[None, :, :], 0), axis=-1)
+    rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
+    cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
+    ring = st.obs_ring.at[(k + setup.m + 1) & (setup.hist - 1), rows, cols].set(
+        probes.astype(dtype) / ln.scale
+    )
+    t_end = (k + 1).astype(dtype) * setup.h
+    obs = Observation(
+        k=k,
+        t=t_end,
+        workload=ring[(k + 1) & (setup.hist - 1)],
+        scale=(
+            replica_fractions(scn, t_end - setup.tau).astype(dtype)
+            if scn.replica_times.shape[-1] > 1
+            else None
+        ),
+        drops=st.tick_drops.astype(dtype) / ln.scale,
+        arrivals=st.tick_arrivals.astype(dtype) / ln.scale,
+    )
+    x, pstate = ln.policy.update(scn, setup, st.policy_state, obs, ln.aux)
+    x = x.astype(dtype)
+    slot = k % z.ring
+    zi = jnp.zeros_like(st.tick_drops)
+    return dataclasses.replace(
+        st,
+        count=(st.count + jnp.sum(row, axis=-1)).astype(jnp.int32),
+        cal=st.cal.at[k % z.calendar].set(0),
+        inbox_n=st.inbox_n.at[slot].set(0),
+        x=x,
+        xc=_cum_routing(scn, x),
+        policy_state=pstate,
+        obs_ring=ring,
+        tick_arrivals=zi,
+        tick_drops=zi,
+    )
+
+
+def far_in(ln: Lane, st: FifoState, k) -> FifoState:
+    """Move the far completions due before tick $k + W$ into the calendar (called every
+    `chunk` ticks, at most $W/2$, so each enters at least $W/2$ ticks before its own)."""
+    z, h = ln.sizes, ln.setup.h
+    c = st.far
+    kc = jnp.floor(c / h)
+    due = jnp.isfinite(c) & (kc < (k + z.calendar).astype(c.dtype))
+    kci = jnp.where(due, kc, 0).astype(jnp.int32)
+    local = c - kci.astype(c.dtype) * h
+    seg = jnp.sum(ln.sorted_offsets[:, None, :] <= local[:, :, None], -1).astype(jnp.int32)
+    cells = jnp.broadcast_to(jnp.arange(c.shape[0])[:, None], c.shape)
+    cal = st.cal.at[jnp.where(due, kci % z.calendar, z.calendar), cells, seg].add(-1, mode="drop")
+    return dataclasses.replace(st, cal=cal, far=jnp.where(due, jnp.inf, c))
+
+
+def initial_requests(ln: Lane):
+    """`(cum,)` the cumulative initial counts $\\mathrm{round}(kN_j(0))$ by cell."""
+    scn = ln.scn
+    counts = jnp.where(scn.cell_mask, jnp.round(ln.scale * scn.initial_workload), 0)
+    return jnp.cumsum(counts.astype(jnp.int32))
+
+
+def admit_initial(ln: Lane, st: FifoState, r) -> FifoState:
+    """Admit the `r`-th request present at $t = 0$ (in cell order; a no-op past the last):
+    origin 0, joined to the shortest queue, so that cell $j$'s requests go round-robin."""
+    cum = initial_requests(ln)
+    ok = r < cum[-1]
+    j = jnp.minimum(jnp.sum(cum <= r), ln.scn.n_cells - 1)
+    zero = jnp.zeros((), st.cand.dtype)
+    return admit(ln, st, jnp.zeros((), jnp.int32), j, zero, zero, ok, jnp.ones((), bool))
+
+
+def _lanes(f):
+    """`f(lane, state, *rest)` over a batch: lanes `(B,)`, states `(B, R)`, `rest`
+    batched like the states."""
+    return jax.vmap(jax.vmap(f, in_axes=(None, 0)), in_axes=(0, 0))
+
+
+def run_tick(ln: Lane, k, st: FifoState) -> FifoState:
+    """Tick `k` of a batch (`ln` `(B,)`, `st` `(B, R)`): arrivals, admissions in time order
+    (one per lane per pass, while any lane has one left) and the end of the tick."""
+    st = _lanes(lambda a, s: start_tick(a, s, k))(ln, st)
+    todo = _lanes(lambda a, s: pending(a, s, k))(ln, st)
+
+    def body(carry):
+        s, t = carry
+        return jax.vmap(jax.vmap(lambda a, s1, t1: admit_next(a, s1, t1, k), (None, 0, 0)))(
+            ln, s, t
+        )
+
+    st, _ = jax.lax.while_loop(lambda c: jnp.any(jnp.isfinite(c[1])), body, (st, todo))
+    return _lanes(lambda a, s: finish(a, s, k))(ln, st)
+
+
+def next_chunk(ln: Lane, k0, st: FifoState) -> FifoState:
+    """The draws of the chunk that starts at tick `k0`, and the far completions due
+    (`redraw`, `far_in`): called between chunks, so that no tick carries a conditional
+    over the whole state (XLA copies a conditional's operands)."""
+    st = _lanes(lambda a, s1: redraw(a, s1, k0))(ln, st)
+    return _lanes(lambda a, s1: far_in(a, s1, k0))(ln, st)
+
+
+def initial_state(ln: Lane, keys) -> FifoState:
+    """The batch's state at $t = 0$: chunk 0 drawn and the requests present at $t = 0$
+    admitted (one per lane per pass)."""
+    st = _lanes(init_lane)(ln, keys)
+    total = jnp.max(jax.vmap(lambda a: initial_requests(a)[-1])(ln))
+
+    def body(r, s):
+        return _lanes(lambda a, s1: admit_initial(a, s1, r))(ln, s)
+
+    return jax.lax.fori_loop(0, total, body, st)
+
+
+def outputs(ln: Lane, st: FifoState, counts, window: float, status) -> dict:
+    """The statistics of one lane from its final state (`simulate_requests`' outputs)."""
+    s = st.stats
+    frac_busy = jnp.where(st.run_area > 0, s.busy / jnp.maximum(st.run_area, 1e-300), 0.0)
+    return dict(
+        count=counts,
+        served=s.served,
+        latency_sum=s.latency_sum,
+        latency_sq=s.latency_sq,
+        histogram=s.histogram,
+        arrivals=s.arrivals,
+        drops=s.drops,
+        mean_requests=s.area / window,
+        utilisation=jnp.where(ln.cells.servers > 0, frac_busy, 0.0),
+        final_x=st.x,
+        status=status,
+        overflow=st.overflow,
+        events=st.events,
+    )
