@@ -23,7 +23,7 @@ block:
    to a calendar of count changes `(W ticks, n cells, n + 1 segments)`, the segment
    being the number of the cell's probe offsets at or before the change; a completion
    more than `W` ticks ahead waits in a short per-cell list (`far`) and enters the
-   calendar at most `W` ticks before its tick (`_far`). At the tick's end, arc
+   calendar at most `W` ticks before its tick (`far_in`). At the tick's end, arc
    $(i, j)$'s probe at offset $h - r_{ij}$ is the count at $t_k$ plus the changes of the
    segments before it, and the routers update as in the fluid simulator.
 
@@ -121,8 +121,8 @@ class FifoState(eqx.Module):
     one row per server, so that an admission reads its cell's servers and writes one row.
     `active` `(n,)` running servers; `buffer` `(n,)` buffers of the tick.
     **Counts:** `count` `(n,)` requests present at $t_k$; `cal` `(W, n, n + 1)` count
-    changes by tick and probe segment; `far` `(n, F)` completions beyond the calendar
-    ($+\\infty$: empty).
+    changes by tick and probe segment; `far` `(n, F)` completions beyond the calendar, a
+    stack per cell of `far_n` `(n,)` entries ($+\\infty$ past them).
     **Network:** `inbox` `(L, n, C, 2)` delivery times and origins of the requests that
     reach each cell in each tick of the ring; `inbox_n` `(L, n)` their number.
     **Routers:** `x`, `xc` (cumulative rows), `policy_state`, `obs_ring` as in the
@@ -144,6 +144,7 @@ class FifoState(eqx.Module):
     count: Int[Array, " n"]
     cal: Int[Array, "W n m"]
     far: Float[Array, "n F"]
+    far_n: Int[Array, " n"]
     inbox: Float[Array, "L n C 2"]
     inbox_n: Int[Array, "L n"]
     x: Float[Array, "n n"]
@@ -220,6 +221,7 @@ def init_lane(ln: Lane, key) -> FifoState:
         count=counts,
         cal=jnp.zeros((z.calendar, n, n + 1), jnp.int32),
         far=jnp.full((n, z.far), jnp.inf, dtype),
+        far_n=zi,
         inbox=jnp.full((z.ring, n, z.inbox, 2), jnp.inf, dtype),
         inbox_n=jnp.zeros((z.ring, n), jnp.int32),
         x=x0,
@@ -281,15 +283,14 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     z, cells, h = ln.sizes, ln.cells, ln.setup.h
     D, S = z.slots, z.servers
     dtype = t.dtype
-    block = st.srv[j]  # (S, 1 + D + Q)
-    comp = block[:, 1 + D :]
-    per = jnp.sum(comp > t, axis=-1).astype(jnp.int32)
+    comp = st.srv[j, :, 1 + D :]  # (S, Q)
+    per = jnp.sum(comp > t, axis=-1, dtype=jnp.int32)
     total = jnp.sum(per)
     reject = ok & ~initial & (total.astype(dtype) >= st.buffer[j])
     valid = jnp.arange(S) < st.active[j]
     s = _first_min(jnp.where(valid, per, jnp.iinfo(jnp.int32).max))
     pick = jnp.arange(S) == s
-    row = jnp.sum(jnp.where(pick[:, None], block, 0.0), axis=0)  # (one-hot: no gather)
+    row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
     per_s = jnp.sum(jnp.where(pick, per, 0))
     full = ok & ~reject & ((per_s >= z.queue) | ~jnp.any(pick & valid))
     do = ok & ~reject & ~full
@@ -317,12 +318,13 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
         ]
     )
     cal = st.cal.at[ticks, j, seg].add(jnp.array([1, -1], jnp.int32), mode="drop")
-    far_j = st.far[j]
-    free = ~jnp.isfinite(far_j)
-    slot = jnp.argmax(free)
+    # (a stack per cell: the admission reads its length, not the list; `far_in` compacts)
+    top = st.far_n[j]
     into_far = ends & ~near
-    far = st.far.at[j, jnp.where(into_far & jnp.any(free), slot, z.far)].set(c, mode="drop")
-    far_full = into_far & ~jnp.any(free)
+    far_full = into_far & (top >= z.far)
+    put = into_far & ~far_full
+    far = st.far.at[j, jnp.where(put, top, z.far)].set(c, mode="drop")
+    far_n = st.far_n.at[j].add(put.astype(jnp.int32))
 
     # Statistics, at once: the request's latency and its share of the time integrals.
     w0, T = ln.warmup, ln.horizon
@@ -357,6 +359,7 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
         srv=srv,
         cal=cal,
         far=far,
+        far_n=far_n,
         tick_arrivals=st.tick_arrivals + deliv,
         tick_drops=st.tick_drops + (~initial).astype(jnp.int32) * lost,
         stats=stats,
@@ -507,7 +510,12 @@ def far_in(ln: Lane, st: FifoState, k) -> FifoState:
     seg = jnp.sum(ln.sorted_offsets[:, None, :] <= local[:, :, None], -1).astype(jnp.int32)
     cells = jnp.broadcast_to(jnp.arange(c.shape[0])[:, None], c.shape)
     cal = st.cal.at[jnp.where(due, kci % z.calendar, z.calendar), cells, seg].add(-1, mode="drop")
-    return dataclasses.replace(st, cal=cal, far=jnp.where(due, jnp.inf, c))
+    # The rest, compacted to the front of each cell's stack in their order (once per chunk).
+    keep = jnp.isfinite(c) & ~due
+    pos = jnp.where(keep, jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1, z.far)
+    left = jnp.full_like(c, jnp.inf).at[cells, pos].set(c, mode="drop")
+    far_n = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+    return dataclasses.replace(st, cal=cal, far=left, far_n=far_n)
 
 
 def initial_requests(ln: Lane):
