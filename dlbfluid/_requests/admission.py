@@ -42,13 +42,22 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int
 
-from .._policies import AbstractPolicy, Observation, TickSetup
-from .._policies.base import replica_fractions
+from .._policies import AbstractPolicy, TickSetup
 from .._scenario import Scenario
 from .._scenario.arrivals import rate_at
 from .fifo import FifoCells, running, serve
 from .histogram import LatencyHistogram
-from .loop import OVERFLOW_ARCS, OVERFLOW_CELLS, OVERFLOW_EVENTS, Stats
+from .loop import (
+    OVERFLOW_ARCS,
+    OVERFLOW_CELLS,
+    OVERFLOW_EVENTS,
+    Stats,
+    _batched,
+    _cum_routing,
+    _first_min,
+    route,
+    tick_capacity,
+)
 
 OVERFLOW_CALENDAR = 8
 """Overflow bit: a cell's list of far completions (`Sizes.far`) was full."""
@@ -157,16 +166,6 @@ class FifoState(eqx.Module):
     run_area: Float[Array, " n"]
     overflow: Int[Array, ""]
     events: Int[Array, ""]
-
-
-def _cum_routing(scn: Scenario, x):
-    return jnp.cumsum(jnp.where(scn.allowed, jnp.maximum(x, 0.0), 0.0), axis=-1)
-
-
-def _first_min(v):
-    """Index of the first minimum of `v` (two plain reductions, which vectorise)."""
-    m = jnp.min(v)
-    return jnp.min(jnp.where(v == m, jnp.arange(v.shape[0]), v.shape[0] - 1))
 
 
 def _overlap(a, b, lo, hi):
@@ -288,7 +287,7 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     total = jnp.sum(per)
     reject = ok & ~initial & (total.astype(dtype) >= st.buffer[j])
     valid = jnp.arange(S) < st.active[j]
-    s = _first_min(jnp.where(valid, per, jnp.iinfo(jnp.int32).max))
+    _, s = _first_min(jnp.where(valid, per, jnp.iinfo(jnp.int32).max))
     pick = jnp.arange(S) == s
     row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
     per_s = jnp.sum(jnp.where(pick, per, 0))
@@ -378,11 +377,8 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
     n, dtype, h = scn.n_cells, st.cand.dtype, setup.h
     t0 = k.astype(dtype) * h
     t1 = t0 + h
-    frac = replica_fractions(scn, t0 + 0.5 * h)
-    frac = jnp.where(scn.cell_mask & (frac > 0), frac, 1.0).astype(dtype)
+    frac, buffer = tick_capacity(scn, ln.scale, t0 + 0.5 * h, dtype)
     active = running(ln.cells.servers, frac)
-    b = jnp.floor(ln.scale * frac * scn.buffer)
-    buffer = jnp.where(jnp.isfinite(scn.buffer), b, jnp.inf).astype(dtype)
     run_area = st.run_area + active.astype(dtype) * _overlap(t0, t1, ln.warmup, ln.horizon)
 
     win = jax.lax.dynamic_slice_in_dim(st.cand, st.ptr, z.candidates, axis=0)
@@ -443,7 +439,7 @@ def pending(ln: Lane, st: FifoState, k):
 def admit_next(ln: Lane, st: FifoState, todo, k):
     """Admit the lane's earliest delivery of tick `k` left in `todo` (a no-op when none)."""
     z = ln.sizes
-    a = _first_min(todo)
+    _, a = _first_min(todo)
     t = todo[a]
     ok = jnp.isfinite(t)
     j, c = a // z.inbox, a % z.inbox
@@ -454,34 +450,25 @@ def admit_next(ln: Lane, st: FifoState, todo, k):
 
 def finish(ln: Lane, st: FifoState, k) -> FifoState:
     """The end of tick `k`: the probes from the calendar's row (module docstring, step
-    3), the counts at $t_{k+1}$, and every router's update (`AbstractPolicy.update`, with
-    the replica fractions observed $\\tau_{ij}$ late when the scenario has a schedule)."""
+    3), the counts at $t_{k+1}$, and every router's update (`dlbfluid._requests.loop.route`,
+    shared with the event loop)."""
     scn, setup, z = ln.scn, ln.setup, ln.sizes
     n, dtype = scn.n_cells, st.x.dtype
     row = st.cal[k % z.calendar]  # (n, n + 1)
     # probes[i, j] = count_j(t_k) + the changes of cell j in segments 0 .. rank[i, j]
     before = jnp.arange(n + 1)[None, None, :] <= ln.rank[:, :, None]
     probes = st.count[None, :] + jnp.sum(jnp.where(before, row[None, :, :], 0), axis=-1)
-    rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
-    cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
-    ring = st.obs_ring.at[(k + setup.m + 1) & (setup.hist - 1), rows, cols].set(
-        probes.astype(dtype) / ln.scale
-    )
     t_end = (k + 1).astype(dtype) * setup.h
-    obs = Observation(
-        k=k,
-        t=t_end,
-        workload=ring[(k + 1) & (setup.hist - 1)],
-        scale=(
-            replica_fractions(scn, t_end - setup.tau).astype(dtype)
-            if scn.replica_times.shape[-1] > 1
-            else None
-        ),
-        drops=st.tick_drops.astype(dtype) / ln.scale,
-        arrivals=st.tick_arrivals.astype(dtype) / ln.scale,
+    x, xc, pstate, ring = route(
+        ln,
+        st.policy_state,
+        st.obs_ring,
+        probes.astype(dtype) / ln.scale,
+        k,
+        t_end,
+        st.tick_drops,
+        st.tick_arrivals,
     )
-    x, pstate = ln.policy.update(scn, setup, st.policy_state, obs, ln.aux)
-    x = x.astype(dtype)
     slot = k % z.ring
     zi = jnp.zeros_like(st.tick_drops)
     return dataclasses.replace(
@@ -490,7 +477,7 @@ def finish(ln: Lane, st: FifoState, k) -> FifoState:
         cal=st.cal.at[k % z.calendar].set(0),
         inbox_n=st.inbox_n.at[slot].set(0),
         x=x,
-        xc=_cum_routing(scn, x),
+        xc=xc,
         policy_state=pstate,
         obs_ring=ring,
         tick_arrivals=zi,
@@ -535,17 +522,11 @@ def admit_initial(ln: Lane, st: FifoState, r) -> FifoState:
     return admit(ln, st, jnp.zeros((), jnp.int32), j, zero, zero, ok, jnp.ones((), bool))
 
 
-def _lanes(f):
-    """`f(lane, state, *rest)` over a batch: lanes `(B,)`, states `(B, R)`, `rest`
-    batched like the states."""
-    return jax.vmap(jax.vmap(f, in_axes=(None, 0)), in_axes=(0, 0))
-
-
 def run_tick(ln: Lane, k, st: FifoState) -> FifoState:
     """Tick `k` of a batch (`ln` `(B,)`, `st` `(B, R)`): arrivals, admissions in time order
     (one per lane per pass, while any lane has one left) and the end of the tick."""
-    st = _lanes(lambda a, s: start_tick(a, s, k))(ln, st)
-    todo = _lanes(lambda a, s: pending(a, s, k))(ln, st)
+    st = _batched(lambda a, s: start_tick(a, s, k))(ln, st)
+    todo = _batched(lambda a, s: pending(a, s, k))(ln, st)
 
     def body(carry):
         s, t = carry
@@ -554,45 +535,31 @@ def run_tick(ln: Lane, k, st: FifoState) -> FifoState:
         )
 
     st, _ = jax.lax.while_loop(lambda c: jnp.any(jnp.isfinite(c[1])), body, (st, todo))
-    return _lanes(lambda a, s: finish(a, s, k))(ln, st)
+    return _batched(lambda a, s: finish(a, s, k))(ln, st)
 
 
 def next_chunk(ln: Lane, k0, st: FifoState) -> FifoState:
     """The draws of the chunk that starts at tick `k0`, and the far completions due
     (`redraw`, `far_in`): called between chunks, so that no tick carries a conditional
     over the whole state (XLA copies a conditional's operands)."""
-    st = _lanes(lambda a, s1: redraw(a, s1, k0))(ln, st)
-    return _lanes(lambda a, s1: far_in(a, s1, k0))(ln, st)
+    st = _batched(lambda a, s1: redraw(a, s1, k0))(ln, st)
+    return _batched(lambda a, s1: far_in(a, s1, k0))(ln, st)
 
 
 def initial_state(ln: Lane, keys) -> FifoState:
     """The batch's state at $t = 0$: chunk 0 drawn and the requests present at $t = 0$
     admitted (one per lane per pass)."""
-    st = _lanes(init_lane)(ln, keys)
+    st = _batched(init_lane)(ln, keys)
     total = jnp.max(jax.vmap(lambda a: initial_requests(a)[-1])(ln))
 
     def body(r, s):
-        return _lanes(lambda a, s1: admit_initial(a, s1, r))(ln, s)
+        return _batched(lambda a, s1: admit_initial(a, s1, r))(ln, s)
 
     return jax.lax.fori_loop(0, total, body, st)
 
 
-def outputs(ln: Lane, st: FifoState, counts, window: float, status) -> dict:
-    """The statistics of one lane from its final state (`simulate_requests`' outputs)."""
-    s = st.stats
-    frac_busy = jnp.where(st.run_area > 0, s.busy / jnp.maximum(st.run_area, 1e-300), 0.0)
-    return dict(
-        count=counts,
-        served=s.served,
-        latency_sum=s.latency_sum,
-        latency_sq=s.latency_sq,
-        histogram=s.histogram,
-        arrivals=s.arrivals,
-        drops=s.drops,
-        mean_requests=s.area / window,
-        utilisation=jnp.where(ln.cells.servers > 0, frac_busy, 0.0),
-        final_x=st.x,
-        status=status,
-        overflow=st.overflow,
-        events=st.events,
-    )
+def utilisation(ln: Lane, st: FifoState):
+    """`(n,)` each cell's utilisation over the window: the busy servers' time integral over
+    the running servers' (theory/requests.md, *Utilisation*; 0 for a padded cell)."""
+    frac_busy = jnp.where(st.run_area > 0, st.stats.busy / jnp.maximum(st.run_area, 1e-300), 0.0)
+    return jnp.where(ln.cells.servers > 0, frac_busy, 0.0)

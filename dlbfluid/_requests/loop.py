@@ -426,11 +426,7 @@ def _draw(tr: Trial, st: LoopState) -> LoopState:
     $\\lfloor kc_jB_j\\rfloor$; the requests a cell drops there count as the tick's drops."""
     key, sub = jr.split(st.key)
     u = jr.uniform(sub, (tr.events, 5), st.uniforms.dtype)
-    scn, h = tr.scn, tr.setup.h
-    frac = replica_fractions(scn, st.t + 0.5 * h)
-    frac = jnp.where(scn.cell_mask & (frac > 0), frac, 1.0).astype(st.x.dtype)
-    b = jnp.floor(tr.scale * frac * scn.buffer)
-    buffer = jnp.where(jnp.isfinite(scn.buffer), b, jnp.inf).astype(st.buffer.dtype)
+    frac, buffer = tick_capacity(tr.scn, tr.scale, st.t + 0.5 * tr.setup.h, st.x.dtype)
     cells, dropped = tr.cells.refresh(st.cells, frac, buffer)
     dropped = dropped.astype(jnp.int32)
     win = (st.t >= tr.warmup).astype(jnp.int32)
@@ -447,6 +443,47 @@ def _draw(tr: Trial, st: LoopState) -> LoopState:
     )
 
 
+def tick_capacity(scn: Scenario, scale, t_mid, dtype):
+    """`(frac, buffer)` `(n,)`: the replica fractions $c_j$ at the tick's midpoint `t_mid`
+    (1 for a padded cell or a cell at 0) and the buffers $\\lfloor kc_jB_j\\rfloor$
+    ($+\\infty$ for none). One reading for both kinds of cell."""
+    frac = replica_fractions(scn, t_mid)
+    frac = jnp.where(scn.cell_mask & (frac > 0), frac, 1.0).astype(dtype)
+    b = jnp.floor(scale * frac * scn.buffer)
+    return frac, jnp.where(jnp.isfinite(scn.buffer), b, jnp.inf).astype(dtype)
+
+
+def route(tr, policy_state, obs_ring, probes, k, t_end, tick_drops, tick_arrivals):
+    """Every router's update at $t_{k+1}$ = `t_end` (`AbstractPolicy.update`) from the
+    tick's probes `(n, n)` $[i, j]$ (in workload units), written into the ring of the update
+    they serve, with the replica fractions observed $\\tau_{ij}$ late when the scenario
+    has a schedule. `tr`: a `Trial` or an admission `Lane` (the fields both hold). Returns
+    `(x, xc, policy_state, obs_ring)`."""
+    setup, scn = tr.setup, tr.scn
+    dtype = probes.dtype
+    n = scn.n_cells
+    rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
+    cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
+    ring = obs_ring.at[(k + setup.m + 1) & (setup.hist - 1), rows, cols].set(probes)
+    obs = Observation(
+        k=k,
+        t=t_end,
+        workload=ring[(k + 1) & (setup.hist - 1)],
+        # The observed replica fractions c_j(t_{k+1} - tau_ij), as the fluid's routers see
+        # them (`dlbfluid._simulate.loop`); None without a schedule.
+        scale=(
+            replica_fractions(scn, t_end - setup.tau).astype(dtype)
+            if scn.replica_times.shape[-1] > 1
+            else None
+        ),
+        drops=tick_drops.astype(dtype) / tr.scale,
+        arrivals=tick_arrivals.astype(dtype) / tr.scale,
+    )
+    x, pstate = tr.policy.update(scn, setup, policy_state, obs, tr.aux)
+    x = x.astype(dtype)
+    return x, _cum_routing(scn, x), pstate, ring
+
+
 def _batched(f):
     """`f(trial, state)` over a batch: trials `(B,)`, states `(B, R)`."""
     return jax.vmap(jax.vmap(f, in_axes=(None, 0)), in_axes=(0, 0))
@@ -455,35 +492,18 @@ def _batched(f):
 def _update(tr: Trial, k, t_end, st: LoopState) -> LoopState:
     """Every router's update at $t_{k+1}$ = `t_end` (`AbstractPolicy.update`), with the
     replica fractions observed $\\tau_{ij}$ late when the scenario has a schedule."""
-    setup = tr.setup
     dtype = st.x.dtype
-    n = tr.scn.n_cells
-    rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
-    cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
     # The probes not taken inside the tick (`_probe`) read the counts at its end.
     seen = tr.cells.count(st.cells).astype(dtype) / tr.scale
-    probes = jnp.where(setup.offsets.T > st.last[:, None], seen[:, None], st.probes)
-    ring = st.obs_ring.at[(k + setup.m + 1) & (setup.hist - 1), rows, cols].set(probes.T)
-    obs = Observation(
-        k=k,
-        t=t_end,
-        workload=ring[(k + 1) & (setup.hist - 1)],
-        # The observed replica fractions c_j(t_{k+1} - tau_ij), as the fluid's routers see
-        # them (`dlbfluid._simulate.loop`); None without a schedule.
-        scale=(
-            replica_fractions(tr.scn, t_end - setup.tau).astype(dtype)
-            if tr.scn.replica_times.shape[-1] > 1
-            else None
-        ),
-        drops=st.tick_drops.astype(dtype) / tr.scale,
-        arrivals=st.tick_arrivals.astype(dtype) / tr.scale,
+    probes = jnp.where(tr.setup.offsets.T > st.last[:, None], seen[:, None], st.probes)
+    x, xc, pstate, ring = route(
+        tr, st.policy_state, st.obs_ring, probes.T, k, t_end, st.tick_drops, st.tick_arrivals
     )
-    x, pstate = tr.policy.update(tr.scn, setup, st.policy_state, obs, tr.aux)
     zi = jnp.zeros_like(st.tick_drops)
     return dataclasses.replace(
         st,
-        x=x.astype(dtype),
-        xc=_cum_routing(tr.scn, x.astype(dtype)),
+        x=x,
+        xc=xc,
         policy_state=pstate,
         obs_ring=ring,
         last=jnp.full_like(st.last, -1.0),

@@ -68,28 +68,34 @@ def _pow2(x: float) -> int:
     return 1 << max(int(math.ceil(x)) - 1, 1).bit_length()
 
 
-def _trial(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> Trial:
-    """What every trial of one scenario reads (`markov` cells): delays, policy arrays,
-    cells, scaled rates."""
+def _shared(scn, scale, eta, policy: AbstractPolicy, cfg: _Config) -> dict:
+    """The fields that every trial of one scenario reads, whichever kind of cell (`Trial`
+    and `admission.Lane` both hold them): delays, policy arrays, scaled rates and buffers."""
     dtype = scn.latency.dtype
     h = jnp.asarray(cfg.tick, dtype)
-    mask = scn.cell_mask
     buffer = jnp.where(jnp.isfinite(scn.buffer), jnp.floor(scale * scn.buffer), jnp.inf)
-    lam_max = jnp.where(mask, jnp.max(scn.arrival_rates, axis=-1), 0.0)
-    return Trial(
+    lam_max = jnp.where(scn.cell_mask, jnp.max(scn.arrival_rates, axis=-1), 0.0)
+    return dict(
         scn=scn,
         setup=_setup(scn, eta, h, cfg.hist),
         aux=policy.prepare(scn, h, cfg.horizon),
         policy=policy,
-        cells=MarkovCells(scn.service, scale, cfg.slots),
         scale=scale,
         lam_max=lam_max,
         lam_cum=jnp.cumsum(scale * lam_max),
         buffer=buffer.astype(dtype),
         warmup=jnp.asarray(cfg.warmup, dtype),
+        histogram=cfg.histogram,
+    )
+
+
+def _trial(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> Trial:
+    """What every trial of one scenario reads (`markov` cells): `_shared` and the cells."""
+    return Trial(
+        **_shared(scn, scale, eta, policy, cfg),
+        cells=MarkovCells(scn.service, scale, cfg.slots),
         arc_slots=cfg.arc_slots,
         events=cfg.events,
-        histogram=cfg.histogram,
     )
 
 
@@ -137,41 +143,27 @@ def _fifo_cells(scn, scale, cfg: _Config) -> FifoCells:
 
 
 def _lane(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> adm.Lane:
-    """What every lane of one scenario reads (`servers` cells, `dlbfluid._requests.admission`)."""
-    dtype = scn.latency.dtype
-    h = jnp.asarray(cfg.tick, dtype)
-    mask = scn.cell_mask
-    setup = _setup(scn, eta, h, cfg.hist)
-    buffer = jnp.where(jnp.isfinite(scn.buffer), jnp.floor(scale * scn.buffer), jnp.inf)
-    lam_max = jnp.where(mask, jnp.max(scn.arrival_rates, axis=-1), 0.0)
-    off = setup.offsets  # [i, j]
+    """What every lane of one scenario reads (`servers` cells, `dlbfluid._requests.admission`):
+    `_shared`, the cells and each cell's probe offsets in order."""
+    shared = _shared(scn, scale, eta, policy, cfg)
+    off = shared["setup"].offsets  # [i, j]
     assert cfg.sizes is not None
     return adm.Lane(
-        scn=scn,
-        setup=setup,
-        aux=policy.prepare(scn, h, cfg.horizon),
-        policy=policy,
+        **shared,
         cells=_fifo_cells(scn, scale, cfg),
-        scale=scale,
-        lam_max=lam_max,
-        lam_cum=jnp.cumsum(scale * lam_max),
-        buffer=buffer.astype(dtype),
-        warmup=jnp.asarray(cfg.warmup, dtype),
-        horizon=jnp.asarray(cfg.horizon, dtype),
+        horizon=jnp.asarray(cfg.horizon, scn.latency.dtype),
         sorted_offsets=jnp.sort(off.T, axis=-1),
         rank=jnp.sum(off[None, :, :] < off[:, None, :], axis=1).astype(jnp.int32),
         ticks=cfg.save_ticks[-1],
         sizes=cfg.sizes,
-        histogram=cfg.histogram,
     )
 
 
-def _outputs(tr: Trial, st, counts, cfg: _Config) -> dict:
-    """The statistics of one trial from its final state."""
-    window = cfg.horizon - cfg.warmup
+def _outputs(st, counts, window: float, utilisation) -> dict:
+    """The statistics of one trial from its final state (either kind of cell: `utilisation`
+    is the kind's own)."""
     s = st.stats
     finite = jnp.isfinite(s.latency_sum) & jnp.all(jnp.isfinite(s.area))
-    status = _status(st.overflow, finite)
     return dict(
         count=counts,
         served=s.served,
@@ -181,12 +173,21 @@ def _outputs(tr: Trial, st, counts, cfg: _Config) -> dict:
         arrivals=s.arrivals,
         drops=s.drops,
         mean_requests=s.area / window,
-        utilisation=s.busy / window,
+        utilisation=utilisation,
         final_x=st.x,
-        status=status,
+        status=_status(st.overflow, finite),
         overflow=st.overflow,
         events=st.events,
     )
+
+
+def _progress(report, real, before, after) -> None:
+    """Send `report` the requests arrived and the events run between the states `before`
+    and `after` of a batch, counting only its real scenarios (`real`; all when None)."""
+    w = jnp.ones(after.events.shape[0], bool) if real is None else real
+    arrived = jnp.sum(jnp.where(w[:, None, None], after.stats.arrivals - before.stats.arrivals, 0))
+    events = jnp.sum(jnp.where(w[:, None], after.events - before.events, 0))
+    jax.debug.callback(report, arrived, events, ordered=False)
 
 
 class _Report:
@@ -267,21 +268,16 @@ def _program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
             ticks[s], ticks[s + 1], lambda k, x: run_tick(tr, k, x, running), st
         )
         if report is not None:
-            w = jnp.ones(keys.shape[0], bool) if real is None else real
-            arrived = jnp.sum(
-                jnp.where(w[:, None, None], new.stats.arrivals - st.stats.arrivals, 0)
-            )
-            events = jnp.sum(jnp.where(w[:, None], new.events - st.events, 0))
-            jax.debug.callback(report, arrived, events, ordered=False)
+            _progress(report, real, st, new)
         return new, count(tr, new)
 
     count0 = count(tr, st)
     st, counts = jax.lax.scan(segment, st, jnp.arange(len(cfg.save_ticks) - 1))
     counts = jnp.concatenate([count0[:, :, None], jnp.moveaxis(counts, 0, 2)], axis=2)
+    window = cfg.horizon - cfg.warmup
     return jax.vmap(
-        jax.vmap(lambda t, s, c: _outputs(t, s, c, cfg), in_axes=(None, 0, 0)),
-        in_axes=(0, 0, 0),
-    )(tr, st, counts)
+        jax.vmap(lambda s, c: _outputs(s, c, window, s.stats.busy / window)),
+    )(st, counts)
 
 
 def _status(overflow, finite):
@@ -321,18 +317,14 @@ def _fifo_program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
         a = c * G
         s, saved = jax.lax.fori_loop(a, jnp.minimum(a + G, K), tick, carry)
         if report is not None:
-            w = jnp.ones(keys.shape[0], bool) if real is None else real
-            arrived = jnp.sum(jnp.where(w[:, None, None], s.stats.arrivals - s0.stats.arrivals, 0))
-            events = jnp.sum(jnp.where(w[:, None], s.events - s0.events, 0))
-            jax.debug.callback(report, arrived, events, ordered=False)
+            _progress(report, real, s0, s)
         return adm.next_chunk(ln, a + G, s), saved
 
     st, counts = jax.lax.fori_loop(0, -(-K // G), chunk, (st, saves))
     window = cfg.horizon - cfg.warmup
 
     def one(ln1, s1, c1):
-        finite = jnp.isfinite(s1.stats.latency_sum) & jnp.all(jnp.isfinite(s1.stats.area))
-        return adm.outputs(ln1, s1, c1, window, _status(s1.overflow, finite))
+        return _outputs(s1, c1, window, adm.utilisation(ln1, s1))
 
     return jax.vmap(jax.vmap(one, in_axes=(None, 0, 0)), in_axes=(0, 0, 0))(ln, st, counts)
 
