@@ -266,12 +266,6 @@ def redraw(ln: Lane, st: FifoState, k0) -> FifoState:
     )
 
 
-def _segment(ln: Lane, j, local):
-    """The probe segment of a change at local time `local` in cell `j`: the number of the
-    cell's probe offsets at or before it."""
-    return jnp.sum(ln.sorted_offsets[j] <= local).astype(jnp.int32)
-
-
 def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     """Admit (if `ok`) a request of origin `origin` delivered to cell `j` at time `t` in
     tick `k` (module docstring, step 2). `initial`: one of the requests present at
