@@ -11,8 +11,8 @@ block:
    root by $k\\bar\\lambda_i/\\Lambda$, are kept with probability
    $\\lambda_i(t)/\\bar\\lambda_i$ (thinning), and are routed by the tick's fixed $x_i$. A
    request routed on arc $(i,j)$ at $s$ reaches $j$ at $s + \\tau_{ij}$, in tick
-   $k + m_{ij}$ or $k + m_{ij} + 1$ ($\\tau_{ij} = m_{ij}h + r_{ij}$): it is written into
-   cell $j$'s inbox of that tick (a ring of ticks).
+   $k + m_{ij}$ or $k + m_{ij} + 1$ ($\\tau_{ij} = m_{ij}h + r_{ij}$): it is written, with
+   its cell, into the lane's inbox of that tick (a ring of ticks).
 2. **Admissions** (`_deliver`, `_admit`). Given their deliveries, cells are independent
    inside a tick; each lane admits its tick's deliveries in time order, one per
    iteration of a loop that runs while any lane has one left. An admission reads the
@@ -69,9 +69,11 @@ class Sizes(eqx.Module):
     **Fields:** `servers` $S$ (server axis), `queue` $Q$ (requests a server holds),
     `slots` $D$ (decode slots per server), `calendar` $W$ (ticks of the count calendar),
     `far` $F$ (far completions per cell), `ring` $L$ (ticks of the inboxes, above
-    $\\max m_{ij} + 1$), `inbox` $C$ (deliveries per cell and tick), `candidates` $A$
+    $\\max m_{ij} + 1$), `inbox` $C$ (deliveries per lane and tick), `candidates` $A$
     (arrival candidates per tick), `chunk` $G$ (ticks per draw of random numbers), `rows`
-    (candidates per chunk), `token_rows` (admissions per chunk).
+    (candidates per chunk), `token_rows` (the table of admissions' draws: a chunk's
+    admissions at most), `token_new` (draws added to the table per chunk: above a chunk's
+    mean admissions, so that the table stays full; `refill`).
     """
 
     servers: int
@@ -85,6 +87,7 @@ class Sizes(eqx.Module):
     chunk: int
     rows: int
     token_rows: int
+    token_new: int
 
 
 class Lane(eqx.Module):
@@ -121,9 +124,9 @@ class FifoState(eqx.Module):
     """The state of one lane (a scenario's trial), grouped by role.
 
     **Random numbers:** `key`; `cand` `(rows + A, 4)` the chunk's arrival candidates
-    (time, then uniforms for the root, the thinning and the route; `+inf` times past
-    the end), `ptr` the next one; `tokens` `(token_rows, 3)` the chunk's draws for
-    admissions (`FifoCells.draw`), `tptr` the next one.
+    (time, root, whether thinning keeps it, a uniform for the route; `+inf` times past
+    the end), `ptr` the next one; `tokens` `(token_rows, 3)` the draws for admissions
+    (`FifoCells.draw`), `tptr` the next one, `tn` the number drawn (`refill`).
     **Servers:** `srv` `(n, S, 1 + D + Q)`, per server: when its prefill engine frees,
     when each of its decode slots frees ($+\\infty$ for slots it does not have), and the
     completion times of the requests it holds (a slot whose time has passed is free);
@@ -132,8 +135,9 @@ class FifoState(eqx.Module):
     **Counts:** `count` `(n,)` requests present at $t_k$; `cal` `(W, n, n + 1)` count
     changes by tick and probe segment; `far` `(n, F)` completions beyond the calendar, a
     stack per cell of `far_n` `(n,)` entries ($+\\infty$ past them).
-    **Network:** `inbox` `(L, n, C, 2)` delivery times and origins of the requests that
-    reach each cell in each tick of the ring; `inbox_n` `(L, n)` their number.
+    **Network:** `inbox` `(L, C, 2)` delivery times and origins of the requests that
+    reach the lane's cells in each tick of the ring, `inbox_j` `(L, C)` their cells,
+    `inbox_n` `(L,)` their number.
     **Routers:** `x`, `xc` (cumulative rows), `policy_state`, `obs_ring` as in the
     fluid simulator; `tick_arrivals`, `tick_drops` `(n,)` the tick's deliveries and
     rejections per cell (error aversion).
@@ -147,6 +151,7 @@ class FifoState(eqx.Module):
     ptr: Int[Array, ""]
     tokens: Float[Array, "T 3"]
     tptr: Int[Array, ""]
+    tn: Int[Array, ""]
     srv: Float[Array, "n S R"]
     active: Int[Array, " n"]
     buffer: Float[Array, " n"]
@@ -154,8 +159,9 @@ class FifoState(eqx.Module):
     cal: Int[Array, "W n m"]
     far: Float[Array, "n F"]
     far_n: Int[Array, " n"]
-    inbox: Float[Array, "L n C 2"]
-    inbox_n: Int[Array, "L n"]
+    inbox: Float[Array, "L C 2"]
+    inbox_j: Int[Array, "L C"]
+    inbox_n: Int[Array, " L"]
     x: Float[Array, "n n"]
     xc: Float[Array, "n n"]
     policy_state: object
@@ -178,8 +184,8 @@ def _bit(flag, bit: int):
 
 
 def init_lane(ln: Lane, key) -> FifoState:
-    """The state at $t = 0$ with chunk 0 drawn; the initial requests are admitted by
-    `admit_initial`."""
+    """The state at $t = 0$ with chunk 0's candidates and a full table of admissions'
+    draws; the initial requests are admitted by `admit_initial`."""
     scn, setup, z = ln.scn, ln.setup, ln.sizes
     n, dtype = scn.n_cells, scn.latency.dtype
     x0 = ln.policy.initial_routing(scn, ln.aux).astype(dtype)
@@ -199,12 +205,14 @@ def init_lane(ln: Lane, key) -> FifoState:
         area=zf,
         busy=zf,
     )
+    key, kt = jr.split(key)
     st = FifoState(
         key=key,
         cand=jnp.zeros((z.rows + z.candidates, 4), dtype),
         ptr=jnp.zeros((), jnp.int32),
-        tokens=jnp.zeros((z.token_rows, 3), dtype),
+        tokens=ln.cells.draw(kt, z.token_rows, dtype),
         tptr=jnp.zeros((), jnp.int32),
+        tn=jnp.full((), z.token_rows, jnp.int32),
         srv=jnp.concatenate(
             [
                 jnp.zeros((n, z.servers, 1), dtype),
@@ -221,8 +229,9 @@ def init_lane(ln: Lane, key) -> FifoState:
         cal=jnp.zeros((z.calendar, n, n + 1), jnp.int32),
         far=jnp.full((n, z.far), jnp.inf, dtype),
         far_n=zi,
-        inbox=jnp.full((z.ring, n, z.inbox, 2), jnp.inf, dtype),
-        inbox_n=jnp.zeros((z.ring, n), jnp.int32),
+        inbox=jnp.full((z.ring, z.inbox, 2), jnp.inf, dtype),
+        inbox_j=jnp.zeros((z.ring, z.inbox), jnp.int32),
+        inbox_n=jnp.zeros((z.ring,), jnp.int32),
         x=x0,
         xc=_cum_routing(scn, x0),
         policy_state=ln.policy.init_state(scn, setup, ln.aux, x0),
@@ -238,19 +247,26 @@ def init_lane(ln: Lane, key) -> FifoState:
 
 
 def redraw(ln: Lane, st: FifoState, k0) -> FifoState:
-    """The random numbers of the chunk of ticks $[k_0, k_0 + G)$: the arrival candidates
-    as a Poisson process of rate $\\Lambda$ (cumulative exponential gaps; too few to pass
-    the chunk's end is an `OVERFLOW_EVENTS`), their uniforms, and the admissions' draws."""
+    """The arrival candidates of the chunk of ticks $[k_0, k_0 + G)$: a Poisson process of
+    rate $\\Lambda$ (cumulative exponential gaps; too few to pass the chunk's end is an
+    `OVERFLOW_EVENTS`), each one's root $i$ (inverse CDF of $k\\bar\\lambda_i/\\Lambda$) and
+    whether thinning keeps it (probability $\\lambda_i(t)/\\bar\\lambda_i$), decided here
+    for the whole chunk since neither depends on the routing, and a uniform for its route."""
     z, h = ln.sizes, ln.setup.h
     dtype = st.cand.dtype
-    key, kg, ku, kt = jr.split(st.key, 4)
+    key, kg, ku = jr.split(st.key, 3)
     lam = ln.lam_cum[-1]
     t0 = k0.astype(dtype) * h
     gaps = jr.exponential(kg, (z.rows,), dtype) / jnp.where(lam > 0, lam, 1.0)
     times = jnp.where(lam > 0, t0 + jnp.cumsum(gaps), jnp.inf)
     short = jnp.isfinite(times[-1]) & (times[-1] < t0 + z.chunk * h)
     u = jr.uniform(ku, (z.rows, 3), dtype)
-    cand = jnp.concatenate([times[:, None], u], axis=1)
+    scn, n = ln.scn, ln.scn.n_cells
+    i = jnp.minimum(jnp.sum(ln.lam_cum[None, :] <= (u[:, 0] * lam)[:, None], -1), n - 1)
+    lam_i = jax.vmap(rate_at)(scn.arrival_times[i], scn.arrival_rates[i], times)
+    keep = u[:, 1] * ln.lam_max[i] < lam_i
+    cols = [times, i.astype(dtype), keep.astype(dtype), u[:, 2]]
+    cand = jnp.stack(cols, axis=1)
     pad = jnp.concatenate(
         [jnp.full((z.candidates, 1), jnp.inf, dtype), jnp.zeros((z.candidates, 3), dtype)],
         axis=1,
@@ -260,9 +276,28 @@ def redraw(ln: Lane, st: FifoState, k0) -> FifoState:
         key=key,
         cand=jnp.concatenate([cand, pad]),
         ptr=jnp.zeros_like(st.ptr),
-        tokens=ln.cells.draw(kt, z.token_rows, dtype),
-        tptr=jnp.zeros_like(st.tptr),
         overflow=st.overflow | _bit(short, OVERFLOW_EVENTS),
+    )
+
+
+def refill(ln: Lane, st: FifoState) -> FifoState:
+    """The admissions' draws for the next chunk: the unused ones moved to the front of the
+    table, then `token_new` fresh ones behind them (those past the table dropped). Every
+    row is used at most once and in order, so the draws stay independent; the table runs
+    short (`OVERFLOW_EVENTS` at the admission) only if a chunk admits more than it holds."""
+    z = ln.sizes
+    key, kt = jr.split(st.key)
+    left = st.tn - st.tptr
+    idx = jnp.arange(z.token_rows)
+    old = st.tokens[jnp.minimum(idx + st.tptr, z.token_rows - 1)]
+    new = ln.cells.draw(kt, z.token_new, st.tokens.dtype)
+    fresh = new[jnp.clip(idx - left, 0, z.token_new - 1)]
+    return dataclasses.replace(
+        st,
+        key=key,
+        tokens=jnp.where((idx < left)[:, None], old, fresh),
+        tptr=jnp.zeros_like(st.tptr),
+        tn=jnp.minimum(left + z.token_new, z.token_rows).astype(jnp.int32),
     )
 
 
@@ -288,7 +323,7 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     full = ok & ~reject & ((per_s >= z.queue) | ~jnp.any(pick & valid))
     do = ok & ~reject & ~full
     tok = st.tokens[jnp.minimum(st.tptr, z.token_rows - 1)]
-    no_row = do & (st.tptr >= z.token_rows)
+    no_row = do & (st.tptr >= st.tn)
     pw, dw = cells.work(j, tok)
     new_row, c, pf, vstart = serve(row, t, pw, dw, D)
     decode = dw > 0
@@ -380,25 +415,23 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
     valid = time < t1
     got = jnp.sum(valid.astype(jnp.int32)).astype(jnp.int32)
     too_many = got >= z.candidates
-    lam_total = ln.lam_cum[-1]
-    i = jnp.minimum(jnp.sum(ln.lam_cum[None, :] <= (win[:, 1] * lam_total)[:, None], -1), n - 1)
-    lam_i = jax.vmap(rate_at)(scn.arrival_times[i], scn.arrival_rates[i], time)
-    accept = valid & (win[:, 2] * ln.lam_max[i] < lam_i)
+    i = win[:, 1].astype(jnp.int32)
+    accept = valid & (win[:, 2] > 0)
     xc = st.xc[i]
     j = jnp.minimum(jnp.sum(xc <= (win[:, 3] * xc[:, -1])[:, None], -1), n - 1)
     tau, m, r = setup.tau[i, j], setup.m[i, j], setup.r[i, j]
     v = k + m + (time - t0 + r >= h).astype(jnp.int32)
     slot = v % z.ring
-    key = slot * n + j
     A = z.candidates
     before = jnp.arange(A)[None, :] < jnp.arange(A)[:, None]
-    rank = jnp.sum((key[:, None] == key[None, :]) & accept[None, :] & before, -1)
-    pos = st.inbox_n[slot, j] + rank.astype(jnp.int32)
+    rank = jnp.sum((slot[:, None] == slot[None, :]) & accept[None, :] & before, -1)
+    pos = st.inbox_n[slot] + rank.astype(jnp.int32)
     arc_full = accept & (pos >= z.inbox)
     put = accept & ~arc_full
     rows = jnp.where(put, slot, z.ring)
-    inbox = st.inbox.at[rows, j, pos].set(jnp.stack([time + tau, time - tau], -1), mode="drop")
-    inbox_n = st.inbox_n.at[rows, j].add(1, mode="drop")
+    inbox = st.inbox.at[rows, pos].set(jnp.stack([time + tau, time - tau], -1), mode="drop")
+    inbox_j = st.inbox_j.at[rows, pos].set(j.astype(jnp.int32), mode="drop")
+    inbox_n = st.inbox_n.at[rows].add(1, mode="drop")
     s_ = st.stats
     in_win = time >= ln.warmup
     cells_ = jnp.arange(n)[None, :]
@@ -411,6 +444,7 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
         buffer=buffer,
         run_area=run_area,
         inbox=inbox,
+        inbox_j=inbox_j,
         inbox_n=inbox_n,
         stats=dataclasses.replace(
             s_, arrivals=arrivals.astype(jnp.int32), drops=drops.astype(jnp.int32)
@@ -422,12 +456,12 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
 
 
 def pending(ln: Lane, st: FifoState, k):
-    """`(n C,)` the delivery times of tick `k` not yet admitted ($+\\infty$ past each
-    cell's count)."""
+    """`(C,)` the delivery times of tick `k` not yet admitted ($+\\infty$ past the
+    tick's count)."""
     z = ln.sizes
     slot = k % z.ring
-    keep = jnp.arange(z.inbox)[None, :] < st.inbox_n[slot][:, None]
-    return jnp.where(keep, st.inbox[slot, :, :, 0], jnp.inf).reshape(-1)
+    keep = jnp.arange(z.inbox) < st.inbox_n[slot]
+    return jnp.where(keep, st.inbox[slot, :, 0], jnp.inf)
 
 
 def admit_next(ln: Lane, st: FifoState, todo, k):
@@ -436,8 +470,8 @@ def admit_next(ln: Lane, st: FifoState, todo, k):
     _, a = _first_min(todo)
     t = todo[a]
     ok = jnp.isfinite(t)
-    j, c = a // z.inbox, a % z.inbox
-    origin = st.inbox[k % z.ring, j, c, 1]
+    slot = k % z.ring
+    j, origin = st.inbox_j[slot, a], st.inbox[slot, a, 1]
     st = admit(ln, st, k, j, jnp.where(ok, t, 0.0), origin, ok, jnp.zeros((), bool))
     return st, todo.at[a].set(jnp.inf)
 
@@ -534,9 +568,10 @@ def run_tick(ln: Lane, k, st: FifoState) -> FifoState:
 
 def next_chunk(ln: Lane, k0, st: FifoState) -> FifoState:
     """The draws of the chunk that starts at tick `k0`, and the far completions due
-    (`redraw`, `far_in`): called between chunks, so that no tick carries a conditional
-    over the whole state (XLA copies a conditional's operands)."""
+    (`redraw`, `refill`, `far_in`): called between chunks, so that no tick carries a
+    conditional over the whole state (XLA copies a conditional's operands)."""
     st = _batched(lambda a, s1: redraw(a, s1, k0))(ln, st)
+    st = _batched(refill)(ln, st)
     return _batched(lambda a, s1: far_in(a, s1, k0))(ln, st)
 
 

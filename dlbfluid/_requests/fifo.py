@@ -23,6 +23,7 @@ import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int
 
 from .._scenario import Workload
+from .gamma import gamma
 
 
 def running(servers: Int[Array, " n"], frac: Float[Array, " n"]) -> Int[Array, " n"]:
@@ -65,15 +66,16 @@ class FifoCells(eqx.Module):
     tokens: bool = eqx.field(static=True)
 
     def draw(self, key, rows: int, dtype):
-        """`(rows, 3)` draws: prompt tokens $P$, output tokens $D$, a unit exponential."""
+        """`(rows, 3)` draws: prompt tokens $P$, output tokens $D$ (Gamma variates by
+        `dlbfluid._requests.gamma.gamma`), a unit exponential."""
         w = self.workload
         kp, ko, ke = jr.split(key, 3)
         expo = jr.exponential(ke, (rows,), dtype)
         if not self.tokens:
             zero = jnp.zeros((rows,), dtype)
             return jnp.stack([zero, zero, expo], axis=-1)
-        prompt = w.prompt_shift + w.prompt_scale * jr.gamma(kp, w.prompt_shape, (rows,), dtype)
-        output = w.output_shift + w.output_scale * jr.gamma(ko, w.output_shape, (rows,), dtype)
+        prompt = w.prompt_shift + w.prompt_scale * gamma(kp, w.prompt_shape, rows, dtype)
+        output = w.output_shift + w.output_scale * gamma(ko, w.output_shape, rows, dtype)
         return jnp.stack([prompt.astype(dtype), output.astype(dtype), expo], axis=-1)
 
     def work(self, j, row):

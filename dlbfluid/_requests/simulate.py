@@ -498,11 +498,13 @@ def _fifo_sizes(scn, k_b, h: float, K: int, plan: _Plan, queue: int, inbox, cand
     """`(Sizes, inbox, candidates)`: the fixed sizes of the admission-time engine
     (`dlbfluid._requests.admission.Sizes`; theory/requests.md, *Sizes*). The candidates of
     a tick are Poisson of mean $m = h\\Lambda$, $\\Lambda = k\\sum_i\\bar\\lambda_i$; a
-    cell's deliveries in a tick are at most that; a chunk holds about 256 candidates."""
+    lane's deliveries in a tick come from the arrivals of the ticks $\\tau_{ij}$ earlier,
+    of mean $m$ while the routing holds, at most $2m$ when it moves traffic between arcs of
+    different delays; a chunk holds about 256 candidates."""
     mask, lam = np.asarray(scn.cell_mask), np.asarray(scn.arrival_rates)
     total = np.max(k_b * np.where(mask, lam.max(-1), 0.0).sum(-1))
     m = float(total) * h
-    inbox = _count("arc_slots", _poisson_cap(m) if inbox is None else inbox)
+    inbox = _count("arc_slots", _poisson_cap(2.0 * m) if inbox is None else inbox)
     candidates = _count("events", _poisson_cap(m) if candidates is None else candidates)
     chunk = 1 << int(np.clip(np.floor(np.log2(256.0 / max(m, 1e-9))), 4, 12))
     calendar = 1 << int(np.clip(np.ceil(np.log2(2.5 / h)), 6, 12))
@@ -510,6 +512,8 @@ def _fifo_sizes(scn, k_b, h: float, K: int, plan: _Plan, queue: int, inbox, cand
     rows = _poisson_cap(m * chunk, 16.0)
     init = np.where(mask, np.round(k_b[:, None] * np.asarray(scn.initial_workload)), 0)
     token_rows = _poisson_cap(m * (chunk + ring), 16.0) + _pow2(float(init.sum(-1).max()) + 1)
+    # (a chunk admits m G on average; a quarter more keeps the table topped up)
+    token_new = min(_pow2(1.25 * m * chunk + 16.0), token_rows)
     sizes = adm.Sizes(
         servers=plan.max_servers,
         queue=queue,
@@ -523,6 +527,7 @@ def _fifo_sizes(scn, k_b, h: float, K: int, plan: _Plan, queue: int, inbox, cand
         chunk=chunk,
         rows=rows,
         token_rows=token_rows,
+        token_new=token_new,
     )
     return sizes, inbox, candidates
 
@@ -583,8 +588,8 @@ def simulate_requests(
       default: the largest scaled buffer + 1 when every buffer is finite (App.-B servers:
       the largest $\\lfloor kB_j/S_j\\rfloor + 2$, which join-the-shortest-queue cannot
       exceed), else four times the fluid workload at 95% of capacity, at least 64.
-      `arc_slots`: requests in flight per arc (`markov`), or requests a cell receives in
-      one tick (`servers`); default from the arrival rates and delays. `events`: events
+      `arc_slots`: requests in flight per arc (`markov`), or requests a trial's cells
+      receive in one tick (`servers`); default from the arrival rates and delays. `events`: events
       per tick (`markov`), or arrival candidates per tick (`servers`); default six
       standard deviations above the largest Poisson mean. Exceeding any of them (and,
       for `servers`, a cell's list of completions beyond the count calendar) is a status,
