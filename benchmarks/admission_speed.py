@@ -18,12 +18,17 @@ from __future__ import annotations
 import argparse
 
 import _harness as H
-import jax
 import numpy as np
 
 import dlbfluid
-from dlbfluid import generate, scenario_dicts, scenario_from_dict, simulate, simulate_requests
-from dlbfluid import stack_scenarios
+from dlbfluid import (
+    generate,
+    scenario_dicts,
+    scenario_from_dict,
+    simulate,
+    simulate_requests,
+    stack_scenarios,
+)
 
 
 def scenarios(n: int, horizon: float, rate_scale: float = 1.0, copies: int = 1):
