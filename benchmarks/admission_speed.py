@@ -18,26 +18,14 @@ from __future__ import annotations
 import argparse
 
 import _harness as H
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
+from _batches import appb_batch
 
 import dlbfluid
-from dlbfluid import (
-    generate,
-    scenario_dicts,
-    scenario_from_dict,
-    simulate,
-    simulate_requests,
-    stack_scenarios,
-)
-
-
-def scenarios(n: int, horizon: float, rate_scale: float = 1.0, copies: int = 1):
-    dicts = scenario_dicts(generate(0, n, min_cells=10, max_cells=10), horizon=horizon)
-    for d in dicts:
-        for c in d["cells"]:
-            ar = c["arrival_rate"]
-            c["arrival_rate"] = dict(times=ar["times"], rates=[v * rate_scale for v in ar["rates"]])
-    return stack_scenarios([scenario_from_dict(d, allow_overload=True) for d in dicts] * copies)
+from dlbfluid import simulate, simulate_requests
 
 
 def main(argv=None):
@@ -52,10 +40,10 @@ def main(argv=None):
     env = H.environment()
     kw = dict(service="servers", trials=args.trials, horizon=args.horizon, n_save=4, seed=0)
     kw["tick"] = args.tick
-    full = scenarios(args.scenarios, args.horizon)
-    empty = scenarios(args.scenarios, args.horizon, 1e-9)
+    full = appb_batch(10, args.scenarios, horizon=args.horizon)
+    empty = eqx.tree_at(lambda s: s.arrival_rates, full, full.arrival_rates * 1e-9)
     # (the fluid peer on as many scenarios as the request level has lanes)
-    fluid_batch = scenarios(args.scenarios, args.horizon, copies=args.trials)
+    fluid_batch = jax.tree.map(lambda x: jnp.concatenate([x] * args.trials), full)
 
     def requests(scn):
         return lambda: simulate_requests(scn, args.policy, **kw).served

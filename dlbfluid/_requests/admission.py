@@ -6,20 +6,20 @@ In a cell of FIFO servers a request's completion time is fixed when it is admitt
 decode slots), so admission is the only event of a cell. A tick $[t_k, t_{k+1})$ is then a
 block:
 
-1. **Arrivals** (`_arrive`). The candidates of the tick (a Poisson process of rate
-   $\\Lambda = k\\sum_i\\bar\\lambda_i$, drawn for `chunk` ticks at a time: `_redraw`) pick a
+1. **Arrivals** (`start_tick`). The candidates of the tick (a Poisson process of rate
+   $\\Lambda = k\\sum_i\\bar\\lambda_i$, drawn for `chunk` ticks at a time: `redraw`) pick a
    root by $k\\bar\\lambda_i/\\Lambda$, are kept with probability
    $\\lambda_i(t)/\\bar\\lambda_i$ (thinning), and are routed by the tick's fixed $x_i$. A
    request routed on arc $(i,j)$ at $s$ reaches $j$ at $s + \\tau_{ij}$, in tick
    $k + m_{ij}$ or $k + m_{ij} + 1$ ($\\tau_{ij} = m_{ij}h + r_{ij}$): it is written, with
    its cell, into the lane's inbox of that tick (a ring of ticks).
-2. **Admissions** (`_deliver`, `_admit`). Given their deliveries, cells are independent
+2. **Admissions** (`admit_next`, `admit`). Given their deliveries, cells are independent
    inside a tick; each lane admits its tick's deliveries in time order, one per
    iteration of a loop that runs while any lane has one left. An admission reads the
    per-server counts at its time (completion times after it), tests the buffer, joins
    the shortest queue, fixes the completion, and counts the request's statistics at once
    (latency, its share of the time integrals).
-3. **Counts and probes** (`_finish`). Each admission adds $+1$ and each completion $-1$
+3. **Counts and probes** (`finish`). Each admission adds $+1$ and each completion $-1$
    to a calendar of count changes `(W ticks, n cells, n + 1 segments)`, the segment
    being the number of the cell's probe offsets at or before the change; a completion
    more than `W` ticks ahead waits in a short per-cell list (`far`) and enters the
