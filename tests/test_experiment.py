@@ -252,3 +252,55 @@ def test_noise_variants_change_only_the_routers_models():
     _, fitted, _ = ex._variant_batch(cfg, {"fit": True})
     r = np.asarray(fitted.estimate.capacity / fitted.service.capacity)[mask]
     assert np.all(np.abs(r - 1) < 0.1)  # fits from 500 samples at 5% noise
+
+
+def test_a_chosen_subset_of_variants_runs_alone_with_the_same_numbers(tmp_path):
+    """`variants` runs the chosen levels only, in the kind's order whatever the order given,
+    with the numbers a run of another subset gets for the same level (a level's scenarios
+    do not depend on which other levels run); the fingerprint records the choice, so a
+    directory never resumes with another one, and leaves it out when every variant runs
+    (the directories recorded before the option keep resuming)."""
+    kw = dict(scenarios=1, trials=1, horizon=6.0, tick=0.1, policies=("rand", "flow-grad"))
+    two = ex.ExperimentConfig("utilization", variants=("u=0.9", "u=0.5"), **kw)
+    assert two.variants == ("u=0.5", "u=0.9")
+    assert [label for label, _ in two.run_variants()] == ["u=0.5", "u=0.9"]
+    assert two.to_json()["variants"] == ["u=0.5", "u=0.9"]
+    assert "variants" not in ex.ExperimentConfig("utilization", **kw).to_json()
+    assert len(ex.ExperimentConfig("utilization", **kw).run_variants()) == 6
+
+    ex.run_experiment(two, tmp_path / "two")
+    ex.run_experiment(ex.ExperimentConfig("utilization", variants=("u=0.9",), **kw), tmp_path / "one")
+    both, one = _rows(tmp_path / "two" / "results.csv"), _rows(tmp_path / "one" / "results.csv")
+    assert [(r["variant"], r["policy"]) for r in both] == [
+        ("u=0.5", "rand"), ("u=0.5", "flow-grad"), ("u=0.9", "rand"), ("u=0.9", "flow-grad")
+    ]  # fmt: skip
+    assert [r["mean_latency"] for r in both[2:]] == [r["mean_latency"] for r in one]
+    assert both[0]["mean_latency"] != both[2]["mean_latency"]  # (the levels differ)
+    with pytest.raises(ValueError, match=r"variants.*\['u=0.5', 'u=0.9'\] -> \['u=0.9'\]"):
+        ex.run_experiment(
+            ex.ExperimentConfig("utilization", variants=("u=0.9",), **kw), tmp_path / "two"
+        )
+
+
+@pytest.mark.parametrize(
+    "chosen, message",
+    [
+        (("y=3",), "variants: 'y=3' is invalid: allowed variants of duration are ['y=0.1',"),
+        (("y=10", "y=10"), "variants = ['y=10', 'y=10'] is invalid: ['y=10'] named twice"),
+        ((), "variants = [] is invalid: expected at least one of"),
+        ("y=10", "variants = 'y=10' is invalid: expected a list of labels"),
+    ],
+)
+def test_bad_variants_name_the_field_and_the_labels_allowed(chosen, message):
+    with pytest.raises(ValueError) as e:
+        ex.ExperimentConfig("duration", variants=chosen)
+    assert message in str(e.value)
+
+
+def test_cli_variants_are_checked_before_any_work(capsys, tmp_path):
+    out = tmp_path / "d"
+    code = main(["experiment", "duration", "--variants", "y=10", "y=3", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--variants: 'y=3' is invalid: allowed variants of duration are" in err
+    assert not out.exists()

@@ -58,6 +58,15 @@ def _add_size_flags(p) -> None:
     p.add_argument(
         "--out", metavar="DIR", default=None, help="output directory (default experiment-KIND)"
     )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        metavar="LABEL",
+        help="run only these variants of the kind, by label (e.g. y=10 for duration, u=0.8 "
+        "for utilization; default every variant); a directory resumes only with the same "
+        "choice",
+    )
 
 
 def _add_run_flags(p) -> None:
@@ -174,6 +183,7 @@ def _config(args):
             step_rule=args.step_rule,
             step_fraction=args.step_fraction,
             policies=tuple(args.policies),
+            variants=None if args.variants is None else tuple(args.variants),
             error_aversion=not args.no_error_aversion,
             mnlb_error_aversion=args.mnlb_error_aversion,
             model=args.model,

@@ -38,6 +38,7 @@ EXPERIMENT = {
     "step_rule": "--step-rule",
     "step_fraction": "--step-fraction",
     "policies": "--policies",
+    "variants": "--variants",
     "error_aversion": "--no-error-aversion",
     "mnlb_error_aversion": "--mnlb-error-aversion",
     "model": "--model",

@@ -97,7 +97,9 @@ class ExperimentConfig:
     $\\eta_i = \\kappa_c/\\bar\\tau_i$, $\\bar\\tau_i$ the mean one-way delay to the cells it
     may route to, $\\kappa_c$ = `STEP_RULE_KAPPA`; `"oracle"`: `step_fraction` times each
     scenario's critical step size $\\eta^*$ linearised at the routers' model's equilibrium),
-    `step_fraction`, `policies`, `error_aversion` (every policy but MNLB uses
+    `step_fraction`, `policies`, `variants` (`None`: every variant of the kind; otherwise
+    the labels of `variants(experiment)` to run, a subset kept in the kind's order, so that
+    one level of a sweep can be run alone), `error_aversion` (every policy but MNLB uses
     `ErrorAversion()`), `mnlb_error_aversion` (MNLB too; off by default: the paper's MNLB is
     a separate, centralised system), `mnlb_period` (s) and `mnlb_cap` (MNLB's utilisation
     cap), `fluctuation` (trial noise $\\sigma$), `utilisation` (of the base scenarios),
@@ -109,7 +111,9 @@ class ExperimentConfig:
     run, so that a fluid experiment's configuration is the one recorded before the
     request-level twin existed (its directories keep resuming), and holds both for a
     request-level run (which therefore never resumes into a fluid run's directory, nor into
-    one of another service).
+    one of another service). It leaves `variants` out when it is `None` (every variant), so
+    that the directories recorded before the option existed keep resuming, and a run of a
+    subset never resumes into one of another subset or of all.
     """
 
     experiment: str
@@ -121,6 +125,7 @@ class ExperimentConfig:
     step_rule: str = "paper"
     step_fraction: float = 0.3
     policies: tuple[str, ...] = POLICIES
+    variants: tuple[str, ...] | None = None
     error_aversion: bool = True
     mnlb_error_aversion: bool = False
     mnlb_period: float = 10.0
@@ -132,6 +137,10 @@ class ExperimentConfig:
 
     def __post_init__(self):
         vs = variants(self.experiment)
+        if self.variants is not None:
+            chosen = _chosen_variants(self.experiment, vs, self.variants)
+            object.__setattr__(self, "variants", chosen)
+            vs = [(label, opts) for label, opts in vs if label in chosen]
         for f in ("scenarios", "trials"):
             object.__setattr__(self, f, integer(f, getattr(self, f), 1))
         for f in ("horizon", "tick", "mnlb_period"):
@@ -195,9 +204,40 @@ class ExperimentConfig:
             raise ValueError(f"policies = {list(pols)} is invalid: duplicates")
         object.__setattr__(self, "policies", pols)
 
+    def run_variants(self) -> list[tuple[str, dict]]:
+        """The `(label, options)` variants this configuration runs: the kind's
+        (`variants`), or the chosen subset of them in the kind's order."""
+        vs = variants(self.experiment)
+        return vs if self.variants is None else [v for v in vs if v[0] in self.variants]
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["policies"] = list(self.policies)
+        if self.variants is None:
+            del d["variants"]  # (every variant: the fingerprint recorded before the option)
+        else:
+            d["variants"] = list(self.variants)
         if self.model == "fluid":
             del d["model"], d["service"]  # (the fingerprint of a fluid run, unchanged)
         return d
+
+
+def _chosen_variants(kind: str, vs: list[tuple[str, dict]], chosen) -> tuple[str, ...]:
+    """`chosen` checked against the kind's labels and put in the kind's order; a refusal
+    names the field, the value and the labels allowed."""
+    labels = [label for label, _ in vs]
+    if isinstance(chosen, str) or not all(isinstance(c, str) for c in chosen):
+        raise ValueError(
+            f"variants = {chosen!r} is invalid: expected a list of labels of {kind}'s "
+            f"variants {labels}"
+        )
+    chosen = list(chosen)
+    if not chosen:
+        raise ValueError(f"variants = [] is invalid: expected at least one of {labels}")
+    for c in chosen:
+        if c not in labels:
+            raise ValueError(f"variants: {c!r} is invalid: allowed variants of {kind} are {labels}")
+    dup = sorted({c for c in chosen if chosen.count(c) > 1})
+    if dup:
+        raise ValueError(f"variants = {chosen} is invalid: {dup} named twice; expected each once")
+    return tuple(label for label in labels if label in chosen)

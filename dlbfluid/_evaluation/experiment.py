@@ -49,7 +49,6 @@ from .._stability import batch_critical_step_size
 from .config import KINDS as KINDS
 from .config import POLICIES as POLICIES
 from .config import ExperimentConfig
-from .config import variants as _variants
 from .generator import TOKEN_TIME_CV, _generate_kept, scenario_dicts
 from .step_rule import padded, paper_step_sizes
 
@@ -357,7 +356,7 @@ def run_experiment(
     _, done = sweep.open(lambda: (None, [list(unit) for unit in _open_results(cfg, out, labels)]))
     finished = {tuple(unit) for unit in done}
     order = ["rand"] + [p for p in cfg.policies if p != "rand"]
-    units = [(v, o, p) for v, o in _variants(cfg.experiment) for p in order]
+    units = [(v, o, p) for v, o in cfg.run_variants() for p in order]
     bar = Progress("experiment", len(units), enabled=progress and procs.main, unit="units")
     ndone = [sum((v, p) in finished for v, _, p in units)]
     bar.update(ndone[0], start=ndone[0])
@@ -545,7 +544,7 @@ def _open_results(
     if len(kept) != len(rows) or results.torn() or not results.path.exists():
         results.rewrite(kept)  # drop a torn unit (and write the header of a new file)
     if resumed:
-        total = len(_variants(cfg.experiment)) * len(cfg.policies)
+        total = len(cfg.run_variants()) * len(cfg.policies)
         resume_note(out, len(done), total, "units")
     return done
 
