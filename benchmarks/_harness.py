@@ -14,6 +14,9 @@ the `--out` record.
 * **Environment.** `environment(*keys)`: devices, device kind, backend, JAX and Python
   versions, platform, core count and load average; `git_state()` (the commit and whether
   dlbfluid/ has uncommitted changes) and `command(argv)` besides.
+* **Command line.** `time_cli(tree, argv, cache)`: one `dlbfluid` call in a fresh
+  subprocess running `tree`'s code with the compilation cache `cache`: its wall and CPU
+  seconds and its stdout (a failure raises with the tail of its stderr).
 * **Tables.** `markdown_table(header, rows)`: the table a script prints on stderr, ready to
   paste into benchmarks/README.md.
 * **Output.** `parent_parser()` gives every script `--out` (and `--repeats` where asked);
@@ -288,6 +291,33 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: 
 
     rule = "|" + "|".join("-" * (w[j] + 1) + (":" if align[j] == "r" else "-") for j in range(k))
     return "\n".join([line(cells[0]), rule + "|", *map(line, cells[1:])])
+
+
+# ----------------------------------------------------------------------------------------
+# The command line in a subprocess
+# ----------------------------------------------------------------------------------------
+
+CLI = "import sys; from dlbfluid._cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def time_cli(tree: str | os.PathLike, argv: Sequence[str], cache: str) -> dict:
+    """Run `dlbfluid ARGV` in a fresh subprocess on `tree`'s code (`PYTHONPATH`, working
+    directory `tree`) with `DLBFLUID_CACHE_DIR=cache`: `{"wall_s", "cpu_s", "stdout"}`, the
+    CPU seconds the child used (all threads). Raises `RuntimeError` with the tail of its
+    stderr if it fails."""
+    env = dict(os.environ, PYTHONPATH=str(tree), DLBFLUID_CACHE_DIR=cache, MPLBACKEND="Agg")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-c", CLI, *argv], env=env, capture_output=True, text=True, cwd=tree
+    )
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        raise RuntimeError(f"{list(argv)} failed ({p.returncode}): {p.stderr[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "stdout": p.stdout}
 
 
 # ----------------------------------------------------------------------------------------

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import _harness as H
@@ -33,23 +31,11 @@ COMMANDS = {
     "simulate": ["simulate", "default", "--json"],
     "equilibrium": ["equilibrium", "default", "--json"],
 }
-RUN = "import sys; from dlbfluid._cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _time(tree: Path, argv: list[str], cache: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), DLBFLUID_CACHE_DIR=cache, MPLBACKEND="Agg")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    p = subprocess.run(
-        [sys.executable, "-c", RUN, *argv], env=env, capture_output=True, text=True, cwd=tree
-    )
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if p.returncode != 0:
-        raise RuntimeError(f"{argv} failed ({p.returncode}): {p.stderr[-2000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}
+    r = H.time_cli(tree, argv, cache)
+    return {"wall_s": r["wall_s"], "cpu_s": r["cpu_s"]}
 
 
 def main(argv=None) -> int:
