@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=80.0, help="requests/s at each root (80)")
     p.add_argument("--trials", type=int, default=64, help="the twin's trials (64)")
     p.add_argument("--horizon", type=float, default=500.0, help="simulated seconds (500)")
-    p.add_argument("--peer-trials", type=int, default=2, help="the peer's runs (2)")
+    p.add_argument("--peer-trials", type=int, default=4, help="the peer's runs (4)")
     a = H.parse(p, argv)
     for name in ("servers", "trials", "peer_trials"):
         if getattr(a, name) < 1:

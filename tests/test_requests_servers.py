@@ -524,3 +524,35 @@ def test_generator_writes_servers_and_workload():
         np.testing.assert_array_equal(s.servers.decode_token_time, gen.decode_token_time[b, :n])
         assert s.servers.decode_engines.tolist() == [2] * n and s.servers.slots.tolist() == [4] * n
         assert float(s.workload.prompt_shift) == 100.0 and float(s.workload.output_scale) == 200.0
+
+
+def test_default_queue_is_per_server_for_cells_without_buffers():
+    """`slots` by default for `servers` cells without finite buffers: four times the fluid
+    workload at 95% of capacity per server (M/M/1 law: 19 requests) + 2, at least 16,
+    taken over the cells, not the cell's workload over the largest server count: one
+    server gets 4 x 19 + 2 -> 128; 100 servers 16; a scenario with both 128 (the
+    one-server cell's), where dividing by the largest count (100) would give 64 and
+    overflow sooner. With finite buffers the default is unchanged (App.-B, below)."""
+    from dlbfluid._requests import simulate as sm
+
+    def default(cells):
+        n = len(cells)
+        d = {"name": "q", "cells": cells, "latency": [[0.0] * n for _ in range(n)]}
+        scn = dl.stack_scenarios([scenario_from_dict(d)])
+        k_b = np.ones(1)
+        plan = sm._servers_plan(scn, scn, "servers", k_b, True)
+        return sm._default_slots(scn, "servers", k_b, plan)
+
+    def mm1(reps, cap):
+        return {"name": f"c{reps}", "arrival_rate": 0.5 * cap, "replicas": reps,
+                "service": {"model": "mm1", "capacity": cap}}  # fmt: skip
+
+    assert default([mm1(1, 1.0)]) == 128
+    assert default([mm1(100, 100.0)]) == 16
+    assert default([mm1(1, 1.0), mm1(100, 100.0)]) == 128
+    d = scenario_dicts(generate(0, 2), horizon=10.0)
+    scn = dl.stack_scenarios([scenario_from_dict(x, allow_overload=True) for x in d])
+    plan = sm._servers_plan(scn, scn, "servers", np.ones(2), True)
+    buf, S = np.asarray(scn.buffer), np.maximum(np.round(plan.servers), 1)
+    want = np.max(np.floor(np.where(np.asarray(scn.cell_mask), buf, 0.0)) / S) + 2
+    assert sm._default_slots(scn, "servers", np.ones(2), plan) == sm._pow2(max(64.0, want))

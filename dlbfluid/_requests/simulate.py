@@ -463,9 +463,16 @@ def _default_slots(scn, service: str, k_b, plan: _Plan) -> int:
         n0 = np.asarray(scn.initial_workload)
         need = 4 * float(np.max(k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0)))
         if service == "servers":
-            need = need / max(plan.max_servers, 1)
+            # Join the shortest queue: a server receives only while it holds the fewest,
+            # so it never holds more than (the cell's count) / S_j + 1; a small per-server
+            # floor (16) instead of the cells' 64 keeps many-server cells' admissions,
+            # which read S Q entries, cheap (benchmarks/README.md, *The dense 3-cell case*).
+            S_j = np.maximum(np.round(plan.servers), 1)
+            per = k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0) / S_j
+            need = 4 * float(np.max(per)) + 2
             if plan.prefill_decode:
                 need = need + 2 * plan.max_slots
+            return _pow2(max(16.0, need))
     return _pow2(max(64.0, need))
 
 
@@ -587,7 +594,8 @@ def simulate_requests(
     - `slots`: requests a cell can hold (`markov`), or each server's queue (`servers`);
       default: the largest scaled buffer + 1 when every buffer is finite (App.-B servers:
       the largest $\\lfloor kB_j/S_j\\rfloor + 2$, which join-the-shortest-queue cannot
-      exceed), else four times the fluid workload at 95% of capacity, at least 64.
+      exceed), else four times the fluid workload at 95% of capacity, at least 64
+      (`servers`: four times that workload per server $+ 2$, at least 16).
       `arc_slots`: requests in flight per arc (`markov`), or requests a trial's cells
       receive in one tick (`servers`); default from the arrival rates and delays. `events`: events
       per tick (`markov`), or arrival candidates per tick (`servers`); default six
