@@ -109,10 +109,20 @@ def test_results_table_quotes_the_recordings():
 # The request-level twin's evaluation (issue 32): notebooks/results/requests_KIND/
 # ----------------------------------------------------------------------------------------
 
-REQUEST_KINDS = ("baseline", "burst", "outage", "utilization")
+REQUEST_KINDS = ("baseline", "burst", "outage", "utilization", "duration")
 """The kinds recorded at request level (`dlbfluid experiment KIND --model requests
 --service servers`), each in `notebooks/results/requests_KIND/` with `record.json` (the
 commit and wall time of the run)."""
+
+REQUIRED_VARIANTS = {"duration": ("y=10",)}
+"""A kind recorded for some of its variants (`--variants`) must hold at least these (issue
+40: `duration` at least at $y = 10$); the others hold every variant."""
+
+
+def _recorded_variants(kind, config) -> list[str]:
+    """The variants a record's configuration ran (`config.variants`, or every one)."""
+    chosen = config.get("variants")
+    return [v for v, _ in variants(kind) if chosen is None or v in chosen]
 
 
 def _request_record(kind):
@@ -136,7 +146,10 @@ def _request_problems(kind, summary, rows):
         bad.append(f"config {c['experiment']}, {c['model']}, {c['service']}")
     if (c["tick"], c["step_rule"], tuple(c["policies"])) != (PROBE_TICK, "paper", POLICIES):
         bad.append("not the paper's tick, step rule and policies")
-    want = {(v, p) for v, _ in variants(kind) for p in POLICIES}
+    ran = _recorded_variants(kind, c)
+    if not set(REQUIRED_VARIANTS.get(kind, [v for v, _ in variants(kind)])) <= set(ran):
+        bad.append(f"variants {ran}: expected at least {REQUIRED_VARIANTS.get(kind, 'all')}")
+    want = {(v, p) for v in ran for p in POLICIES}
     runs = c["scenarios"] * c["trials"]
     if len(rows) != len(want) * runs or {(r["variant"], r["policy"]) for r in rows} != want:
         bad.append(f"{len(rows)} rows, expected {len(want)} x {runs}")
@@ -186,17 +199,30 @@ def test_request_level_consistency_check_fails_on_a_wrong_record():
     assert any("normalized_latency" in b for b in _request_problems("baseline", edited, rows))
     fluid_copy = [dict(r, mean_latency=r["fluid_mean_latency"]) for r in rows]
     assert any("fluid" in b for b in _request_problems("baseline", summary, fluid_copy))
+    # A duration record without y = 10, and a baseline-like kind recorded for a subset.
+    dur, dur_rows, _ = _request_record("duration")
+    assert _request_problems("duration", dur, dur_rows) == []
+    other = json.loads(json.dumps(dur))
+    other["config"]["variants"] = ["y=4"]
+    assert any("expected at least" in b for b in _request_problems("duration", other, dur_rows))
+    util, util_rows, _ = _request_record("utilization")
+    some = json.loads(json.dumps(util))
+    some["config"]["variants"] = ["u=0.8"]
+    assert any("expected at least" in b for b in _request_problems("utilization", some, util_rows))
 
 
 def _request_row_key(label):
     """('baseline', 'baseline', 'requests') of 'baseline (10 x 1, 60 s), requests';
-    ('utilization', 'u=0.5', 'fluid') of 'utilisation u = 0.5, fluid'."""
-    m = re.fullmatch(r"(baseline|burst|outage|utilisation u = ([\d.]+))(?: \(.*\))?, "
-                     r"(requests|fluid)", label.strip())  # fmt: skip
+    ('utilization', 'u=0.5', 'fluid') of 'utilisation u = 0.5, fluid'; ('duration',
+    'y=10', 'requests') of 'duration y = 10 (10 x 2, 600 s), requests'."""
+    m = re.fullmatch(r"(baseline|burst|outage|utilisation u = ([\d.]+)|duration y = ([\d.]+))"
+                     r"(?: \(.*\))?, (requests|fluid)", label.strip())  # fmt: skip
     assert m, f"unreadable request-level row label {label!r}"
     if m[2] is not None:
-        return "utilization", f"u={m[2]}", m[3]
-    return m[1], m[1], m[3]
+        return "utilization", f"u={m[2]}", m[4]
+    if m[3] is not None:
+        return "duration", f"y={m[3]}", m[4]
+    return m[1], m[1], m[4]
 
 
 def test_request_level_table_quotes_the_records():
@@ -236,5 +262,6 @@ def test_request_level_table_quotes_the_records():
         key = "normalized_latency" if model == "requests" else "fluid_normalized_latency"
         best = [p for p, c in zip(POLICIES, cells[1:], strict=True) if c.startswith("**")]
         assert best == [min(POLICIES[1:], key=lambda p: recorded[kind][(variant, p)][key])]
-    want = {(k, v, m) for k in REQUEST_KINDS for v, _ in variants(k) for m in ("requests", "fluid")}
+    ran = {k: _recorded_variants(k, _request_record(k)[0]["config"]) for k in REQUEST_KINDS}
+    want = {(k, v, m) for k in REQUEST_KINDS for v in ran[k] for m in ("requests", "fluid")}
     assert seen == want
