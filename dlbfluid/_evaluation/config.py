@@ -140,7 +140,7 @@ class ExperimentConfig:
         if self.variants is not None:
             chosen = _chosen_variants(self.experiment, vs, self.variants)
             object.__setattr__(self, "variants", chosen)
-            vs = [(label, opts) for label, opts in vs if label in chosen]
+            vs = self.run_variants()
         for f in ("scenarios", "trials"):
             object.__setattr__(self, f, integer(f, getattr(self, f), 1))
         for f in ("horizon", "tick", "mnlb_period"):

@@ -461,15 +461,15 @@ def _default_slots(scn, service: str, k_b, plan: _Plan) -> int:
         cap = jnp.asarray(np.asarray(scn.service.capacity))
         work = np.asarray(scn.service.inverse_rate(0.95 * cap))
         n0 = np.asarray(scn.initial_workload)
-        need = 4 * float(np.max(k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0)))
+        load = k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0)
+        need = 4 * float(np.max(load))
         if service == "servers":
             # Join the shortest queue: a server receives only while it holds the fewest,
             # so it never holds more than (the cell's count) / S_j + 1; a small per-server
             # floor (16) instead of the cells' 64 keeps many-server cells' admissions,
             # which read S Q entries, cheap (benchmarks/README.md, *The dense 3-cell case*).
             S_j = np.maximum(np.round(plan.servers), 1)
-            per = k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0) / S_j
-            need = 4 * float(np.max(per)) + 2
+            need = 4 * float(np.max(load / S_j)) + 2
             if plan.prefill_decode:
                 need = need + 2 * plan.max_slots
             return _pow2(max(16.0, need))
