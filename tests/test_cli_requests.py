@@ -20,7 +20,7 @@ BASE = ["--tick", "0.005", "--horizon", "20", "--window", "0.5", "--policy", "ra
         "--model", "requests", "--trials", "8", "--seed", "3"]  # fmt: skip
 
 POLICY_KEYS = {"status", "trials", "latency", "latency_ci90", "error_rate", "served", "cells"}
-TOP_KEYS = {"model", "service", "scale", "seed", "trials", "scenario", "cells", "horizon",
+TOP_KEYS = {"model", "service", "leaf", "scale", "seed", "trials", "scenario", "cells", "horizon",
             "tick", "step_size", "window", "warmup", "status", "policies", "wall_s"}  # fmt: skip
 
 
@@ -90,7 +90,7 @@ def test_simulate_requests_fifo_server_json_contract_and_mm1_mean(files, capsys)
                             "--json"])  # fmt: skip
     assert rc == 0 and len(cap.out.strip().splitlines()) == 1
     res = json.loads(cap.out)
-    assert res["service"] == "servers"
+    assert res["service"] == "servers" and res["leaf"] == {"rule": "jsq"}
     r = _check_contract(res)
     sol = _per_trial(files["b50"], "servers")
     m = np.asarray(sol.mean_requests)[:, 0]
@@ -188,6 +188,14 @@ class Worked(Exception):
         (["--policy", "rand", "--policy", "mnlb"], "is invalid with --model fluid: expected one policy"),
         (["--model", "requests", "--policy", "rand", "--policy", "rand"], "named twice"),
         (["--model", "requests", "--horizon", "1", "--tick", "0.3"], "--horizon = 1 is invalid"),
+        (["--model", "requests", "--service", "servers", "--leaf", "jiq"],
+         "--leaf = 'jiq' is invalid: allowed jsq, pod"),
+        (["--model", "requests", "--leaf", "pod"], "--leaf = 'pod' is invalid with --service markov"),
+        (["--model", "requests", "--service", "servers", "--leaf", "pod", "--pod-d", "0"],
+         "--pod-d = '0' is invalid: expected an integer >= 1"),
+        (["--model", "requests", "--service", "servers", "--pod-d", "2"],
+         "--pod-d = '2' is invalid without --leaf pod"),
+        (["--leaf", "pod"], "--leaf = 'pod' is invalid with --model fluid"),
     ],
 )  # fmt: skip
 def test_bad_options_name_the_flag_in_one_line_before_any_work(
@@ -208,7 +216,7 @@ def test_bad_options_name_the_flag_in_one_line_before_any_work(
     # Valid options reach the work (here the stand-in).
     with pytest.raises(Worked):
         main(["simulate", str(files["b50"]), "--model", "requests", "--service", "servers",
-              "--scale", "2", "--trials", "3", "--seed", "5"])  # fmt: skip
+              "--scale", "2", "--trials", "3", "--seed", "5", "--leaf", "pod", "--pod-d", "3"])  # fmt: skip
 
 
 def test_servers_on_a_non_mm1_cell_is_refused(tmp_path, capsys):

@@ -532,16 +532,19 @@ def test_default_queue_is_per_server_for_cells_without_buffers():
     taken over the cells, not the cell's workload over the largest server count: one
     server gets 4 x 19 + 2 -> 128; 100 servers 16; a scenario with both 128 (the
     one-server cell's), where dividing by the largest count (100) would give 64 and
-    overflow sooner. With finite buffers the default is unchanged (App.-B, below)."""
+    overflow sooner. With finite buffers the default is unchanged (App.-B, below). The
+    leaf rule `pod`, which JSQ's bound does not cover, gets four times JSQ's need, never
+    above the cell's buffer + 1."""
     from dlbfluid._requests import simulate as sm
+    from dlbfluid._requests._leaf import JoinShortestQueue, PowerOfD
 
-    def default(cells):
+    def default(cells, leaf=JoinShortestQueue()):
         n = len(cells)
         d = {"name": "q", "cells": cells, "latency": [[0.0] * n for _ in range(n)]}
         scn = dl.stack_scenarios([scenario_from_dict(d)])
         k_b = np.ones(1)
         plan = sm._servers_plan(scn, scn, "servers", k_b, True)
-        return sm._default_slots(scn, "servers", k_b, plan)
+        return sm._default_slots(scn, "servers", k_b, plan, leaf)
 
     def mm1(reps, cap):
         return {"name": f"c{reps}", "arrival_rate": 0.5 * cap, "replicas": reps,
@@ -550,9 +553,13 @@ def test_default_queue_is_per_server_for_cells_without_buffers():
     assert default([mm1(1, 1.0)]) == 128
     assert default([mm1(100, 100.0)]) == 16
     assert default([mm1(1, 1.0), mm1(100, 100.0)]) == 128
+    assert default([mm1(1, 1.0)], PowerOfD(2)) == 512  # (4 x 78 -> 512)
+    assert default([{**mm1(4, 4.0), "buffer": 40.0}], PowerOfD(1)) == 64  # (min(4 x 41, 41))
     d = scenario_dicts(generate(0, 2), horizon=10.0)
     scn = dl.stack_scenarios([scenario_from_dict(x, allow_overload=True) for x in d])
     plan = sm._servers_plan(scn, scn, "servers", np.ones(2), True)
     buf, S = np.asarray(scn.buffer), np.maximum(np.round(plan.servers), 1)
     want = np.max(np.floor(np.where(np.asarray(scn.cell_mask), buf, 0.0)) / S) + 2
-    assert sm._default_slots(scn, "servers", np.ones(2), plan) == sm._pow2(max(64.0, want))
+    assert sm._default_slots(scn, "servers", np.ones(2), plan, JoinShortestQueue()) == sm._pow2(
+        max(64.0, want)
+    )

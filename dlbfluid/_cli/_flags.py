@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 SIMULATE_REQUESTS = {
     "service": "--service",
+    "leaf": "--leaf",
     "scale": "--scale",
     "trials": "--trials",
     "seed": "--seed",

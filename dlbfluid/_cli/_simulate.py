@@ -150,6 +150,19 @@ def _add_request_flags(p) -> None:
     g.add_argument(
         "--seed", default=None, metavar="S", help="the random stream, in [0, 2**63) (default 0)"
     )
+    g.add_argument(
+        "--leaf",
+        default=None,
+        metavar="jsq|pod",
+        help="with --service servers, the server a request joins in its cell: jsq (default; "
+        "the fewest requests present) or pod (power-of-d choices on the tokens waiting)",
+    )
+    g.add_argument(
+        "--pod-d",
+        default=None,
+        metavar="D",
+        help="with --leaf pod, an integer >= 1: the servers drawn per request (default 2)",
+    )
 
 
 def _add_control_flags(p) -> None:
@@ -256,12 +269,12 @@ def request_options(args) -> dict | None:
         raise ValueError(f"--model = {args.model!r} is invalid: allowed {', '.join(MODELS)}")
     policies = list(args.policy or ["flow-grad"])
     if args.model == "fluid":
-        for name in ("service", "scale", "trials", "seed"):
-            value = getattr(args, name)
+        for name in ("service", "scale", "trials", "seed", "leaf", "pod_d"):
+            value = getattr(args, name, None)
             if value is not None:
                 raise ValueError(
-                    f"--{name} = {value!r} is invalid with --model fluid: it applies to "
-                    "--model requests only"
+                    f"--{name.replace('_', '-')} = {value!r} is invalid with --model fluid: "
+                    "it applies to --model requests only"
                 )
         if len(policies) > 1:
             raise ValueError(
@@ -276,6 +289,7 @@ def request_options(args) -> dict | None:
     if service not in SERVICES:
         raise ValueError(f"--service = {service!r} is invalid: allowed {', '.join(SERVICES)}")
     return {
+        "leaf": leaf_option(args, service),
         "model": "requests",
         "service": service,
         "scale": 1 if args.scale is None else _whole("--scale", args.scale, 1),
@@ -285,6 +299,28 @@ def request_options(args) -> dict | None:
         else _whole("--seed", args.seed, 0, SEED_MAX, "an integer in [0, 2**63)"),
         "policies": policies,
     }
+
+
+def leaf_option(args, service: str):
+    """The checked `--leaf` and `--pod-d` as an `AbstractLeaf` (`PowerOfD(d)` or
+    `JoinShortestQueue()`); one-line refusals: an unknown rule, `pod` without
+    `--service servers`, `--pod-d` without `--leaf pod` or below 1."""
+    from .._requests._leaf import LEAF_RULES, JoinShortestQueue, PowerOfD
+
+    leaf = getattr(args, "leaf", None) or "jsq"
+    d = getattr(args, "pod_d", None)
+    if leaf not in LEAF_RULES:
+        raise ValueError(f"--leaf = {leaf!r} is invalid: allowed {', '.join(LEAF_RULES)}")
+    if leaf == "jsq":
+        if d is not None:
+            raise ValueError(f"--pod-d = {d!r} is invalid without --leaf pod: it sets pod's d")
+        return JoinShortestQueue()
+    if service != "servers":
+        raise ValueError(
+            f"--leaf = {leaf!r} is invalid with --service {service}: markov cells have no "
+            "servers to choose from (use --service servers)"
+        )
+    return PowerOfD(2 if d is None else _whole("--pod-d", d, 1))
 
 
 def run(args) -> int:
@@ -445,6 +481,7 @@ def run_requests(args, req: dict) -> int:
                 scn,
                 pol,
                 service=req["service"],
+                leaf=req["leaf"],
                 scale=req["scale"],
                 trials=req["trials"],
                 seed=req["seed"],
@@ -467,6 +504,7 @@ def run_requests(args, req: dict) -> int:
     summary = {
         "model": req["model"],
         "service": req["service"],
+        "leaf": req["leaf"].describe(),
         "scale": req["scale"],
         "seed": req["seed"],
         "trials": req["trials"],

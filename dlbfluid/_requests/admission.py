@@ -17,7 +17,8 @@ block:
    inside a tick; each lane admits its tick's deliveries in time order, one per
    iteration of a loop that runs while any lane has one left. An admission reads the
    per-server counts at its time (completion times after it), tests the buffer, joins
-   the shortest queue, fixes the completion, and counts the request's statistics at once
+   the server that the leaf rule picks (`Lane.leaf`; by default the shortest queue),
+   fixes the completion, and counts the request's statistics at once
    (latency, its share of the time integrals).
 3. **Counts and probes** (`finish`). Each admission adds $+1$ and each completion $-1$
    to a calendar of count changes `(W ticks, n cells, n + 1 segments)`, the segment
@@ -45,6 +46,7 @@ from jaxtyping import Array, Float, Int
 from .._policies import AbstractPolicy, TickSetup
 from .._scenario import Scenario
 from .._scenario.arrivals import rate_at
+from ._leaf import AbstractLeaf, JoinShortestQueue
 from .fifo import FifoCells, running, serve
 from .histogram import LatencyHistogram
 from .loop import (
@@ -94,7 +96,7 @@ class Lane(eqx.Module):
     """What the lanes of one scenario read and never change.
 
     **Fields:** `scn`; `setup` the routers' `TickSetup`; `aux` the policy's arrays;
-    `policy`; `cells` (`FifoCells`); `scale` $k$; `lam_max` `(n,)` the profiles' maxima;
+    `policy`; `leaf` the cells' leaf rule (`AbstractLeaf`); `cells` (`FifoCells`); `scale` $k$; `lam_max` `(n,)` the profiles' maxima;
     `lam_cum` `(n,)` cumulative $k\\bar\\lambda_i$; `buffer` `(n,)` $kB_j$ floored
     ($+\\infty$: none); `warmup`, `horizon`; `sorted_offsets` `(n, n)` each cell's probe
     offsets in increasing order (row $j$); `rank` `(n, n)` $q_{ij}$, the number of cell
@@ -106,6 +108,7 @@ class Lane(eqx.Module):
     setup: TickSetup
     aux: object
     policy: AbstractPolicy = eqx.field(static=True)
+    leaf: AbstractLeaf = eqx.field(static=True)
     cells: FifoCells
     scale: Float[Array, ""]
     lam_max: Float[Array, " n"]
@@ -316,7 +319,12 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     total = jnp.sum(per)
     reject = ok & ~initial & (total.astype(dtype) >= st.buffer[j])
     valid = jnp.arange(S) < st.active[j]
-    _, s = _first_min(jnp.where(valid, per, jnp.iinfo(jnp.int32).max))
+    s = JoinShortestQueue().choose(None, per, None, valid)
+    if not isinstance(ln.leaf, JoinShortestQueue):
+        # (the requests present at t = 0 still go round-robin: the same start for every rule)
+        key = jr.fold_in(st.key, st.events) if ln.leaf.random else None
+        tokens = cells.tokens_waiting(j, st.srv[j], t, D)
+        s = jnp.where(initial, s, ln.leaf.choose(key, per, tokens, valid))
     pick = jnp.arange(S) == s
     row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
     per_s = jnp.sum(jnp.where(pick, per, 0))

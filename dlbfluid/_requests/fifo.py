@@ -44,8 +44,9 @@ class FifoCells(eqx.Module):
     M/M/1 cell without a `servers` object) is one stage: prefill work
     $\\mathrm{Exp}(\\bar\\mu_j/k_j)$ and no decode.
 
-    **Leaf routing:** a request that reaches cell $j$ joins the running server with the
-    fewest requests present (both stages), the lowest index on ties.
+    **Leaf routing:** a request that reaches cell $j$ joins the server that the lane's leaf
+    rule picks (`dlbfluid._requests._leaf`): by default the running server with the fewest
+    requests present (both stages), the lowest index on ties.
 
     **Fields:** `servers` `(n,)` (0 for padded cells), `prefill_token_time`,
     `decode_token_time` `(n,)`, `decode_slots` `(n,)`, `exponential` `(n,)`, `rate` `(n,)`
@@ -77,6 +78,23 @@ class FifoCells(eqx.Module):
         prompt = w.prompt_shift + w.prompt_scale * gamma(kp, w.prompt_shape, rows, dtype)
         output = w.output_shift + w.output_scale * gamma(ko, w.output_shape, rows, dtype)
         return jnp.stack([prompt.astype(dtype), output.astype(dtype), expo], axis=-1)
+
+    def tokens_waiting(self, j, block, t, slots: int):
+        """`(S,)` the tokens waiting at each server of cell `j` at time `t` (the leaf rule
+        `pod`'s load), from the servers' rows `block` `(S, 1 + slots + Q)`: the prompt
+        tokens its prefill engine has yet to process, $(F_s - t)^+/t_{p,j}$, plus the
+        output tokens its decode slots have yet to produce,
+        $\\sum_{m < D_j}(V_{s,m} - t)^+/t_{d,j}$ (each slot's committed time; it counts a
+        slot's wait for a request still in prefill as work, a few prefill times at most).
+        An exponential cell's load is its unfinished work $(F_s - t)^+$ (seconds: one
+        cell's servers are compared with each other only)."""
+        expo = self.exponential[j]
+        prefill = jnp.maximum(block[:, 0] - t, 0.0)
+        slot_ok = jnp.arange(slots) < self.decode_slots[j]
+        decode = jnp.sum(jnp.where(slot_ok, jnp.maximum(block[:, 1 : 1 + slots] - t, 0.0), 0.0), -1)
+        tp = jnp.where(expo, 1.0, self.prefill_token_time[j])
+        td = jnp.where(expo | (self.decode_token_time[j] <= 0), 1.0, self.decode_token_time[j])
+        return prefill / tp + jnp.where(expo, 0.0, decode / td)
 
     def work(self, j, row):
         """Prefill and decode work of a request of cell `j` from its draws `row`."""

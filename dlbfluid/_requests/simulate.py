@@ -23,6 +23,7 @@ from .._simulate import _hist_len, _setup
 from .._validate import integer
 from .._validate import invalid as _bad
 from . import admission as adm
+from ._leaf import AbstractLeaf, JoinShortestQueue, leaf_from_name
 from .fifo import FifoCells
 from .histogram import LatencyHistogram
 from .loop import Trial, _batched, init_state, run_tick
@@ -56,8 +57,9 @@ class _Config(eqx.Module):
     # App.-B prefill/decode servers (`service="servers"` with a cell's `servers` object)
     prefill_decode: bool = False
     max_slots: int = 1
-    # `service="servers"`: the admission-time engine's fixed sizes
+    # `service="servers"`: the admission-time engine's fixed sizes and the leaf rule
     sizes: adm.Sizes | None = None
+    leaf: AbstractLeaf = JoinShortestQueue()
 
 
 def _count(field: str, value, minimum: int = 1) -> int:
@@ -150,6 +152,7 @@ def _lane(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> adm.Lane:
     assert cfg.sizes is not None
     return adm.Lane(
         **shared,
+        leaf=cfg.leaf,
         cells=_fifo_cells(scn, scale, cfg),
         horizon=jnp.asarray(cfg.horizon, scn.latency.dtype),
         sorted_offsets=jnp.sort(off.T, axis=-1),
@@ -448,8 +451,27 @@ def _servers_plan(scenario, scn, service: str, k_b, batched: bool) -> _Plan:
     return _Plan(count, max_servers, max_slots, bool(np.any(has)), pd_caps)
 
 
-def _default_slots(scn, service: str, k_b, plan: _Plan) -> int:
+def _default_slots(scn, service: str, k_b, plan: _Plan, leaf: AbstractLeaf) -> int:
     """`slots` by default (the docstring of `simulate_requests`)."""
+    need = _default_need(scn, service, k_b, plan)
+    if service != "servers":
+        return _pow2(max(64.0, need))
+    if not isinstance(leaf, JoinShortestQueue):
+        # Join-the-shortest-queue's bound on a server's count does not hold for another
+        # rule (power-of-d with d = 1 splits at random, and a server's count is then
+        # geometric): four times JSQ's need, never above the cell's own bound.
+        need = 4.0 * need
+        mask, buf = np.asarray(scn.cell_mask), np.asarray(scn.buffer)
+        if np.all(np.isfinite(buf[mask])):
+            need = min(need, float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)))) + 1)
+    if np.all(np.isfinite(np.asarray(scn.buffer)[np.asarray(scn.cell_mask)])):
+        return _pow2(max(64.0, need))
+    return _pow2(max(16.0, need))
+
+
+def _default_need(scn, service: str, k_b, plan: _Plan) -> float:
+    """The requests a cell (`markov`) or a server (`servers`, join-the-shortest-queue)
+    must hold, before rounding (`_default_slots`)."""
     mask, buf = np.asarray(scn.cell_mask), np.asarray(scn.buffer)
     if np.all(np.isfinite(buf[mask])):
         need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)))) + 1
@@ -457,23 +479,22 @@ def _default_slots(scn, service: str, k_b, plan: _Plan) -> int:
             # Join the shortest queue: a server holds at most floor(kB_j / S_j) + 1.
             S_j = np.maximum(np.round(plan.servers), 1)
             need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)) / S_j)) + 2
-    else:
-        cap = jnp.asarray(np.asarray(scn.service.capacity))
-        work = np.asarray(scn.service.inverse_rate(0.95 * cap))
-        n0 = np.asarray(scn.initial_workload)
-        load = k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0)
-        need = 4 * float(np.max(load))
-        if service == "servers":
-            # Join the shortest queue: a server receives only while it holds the fewest,
-            # so it never holds more than (the cell's count) / S_j + 1; a small per-server
-            # floor (16) instead of the cells' 64 keeps many-server cells' admissions,
-            # which read S Q entries, cheap (benchmarks/README.md, *The dense 3-cell case*).
-            S_j = np.maximum(np.round(plan.servers), 1)
-            need = 4 * float(np.max(load / S_j)) + 2
-            if plan.prefill_decode:
-                need = need + 2 * plan.max_slots
-            return _pow2(max(16.0, need))
-    return _pow2(max(64.0, need))
+        return need
+    cap = jnp.asarray(np.asarray(scn.service.capacity))
+    work = np.asarray(scn.service.inverse_rate(0.95 * cap))
+    n0 = np.asarray(scn.initial_workload)
+    load = k_b[:, None] * np.where(mask, np.maximum(work, n0), 0.0)
+    if service != "servers":
+        return 4 * float(np.max(load))
+    # Join the shortest queue: a server receives only while it holds the fewest, so it
+    # never holds more than (the cell's count) / S_j + 1; a small per-server floor (16)
+    # instead of the cells' 64 keeps many-server cells' admissions, which read S Q
+    # entries, cheap (benchmarks/README.md, *The dense 3-cell case*).
+    S_j = np.maximum(np.round(plan.servers), 1)
+    need = 4 * float(np.max(load / S_j)) + 2
+    if plan.prefill_decode:
+        need = need + 2 * plan.max_slots
+    return need
 
 
 def _default_events(scn, k_b, h: float, plan: _Plan) -> int:
@@ -556,6 +577,7 @@ def simulate_requests(
     arc_slots: int | None = None,
     events: int | None = None,
     histogram: LatencyHistogram = LatencyHistogram(),
+    leaf: str | AbstractLeaf = "jsq",
     dtype=None,
     throw: bool | None = None,
     progress: bool = False,
@@ -603,6 +625,10 @@ def simulate_requests(
       for `servers`, a cell's list of completions beyond the count calendar) is a status,
       never a silent truncation.
     - `histogram`: the latency bins of the percentiles (`LatencyHistogram`).
+    - `leaf`: the `servers` cells' leaf rule: `"jsq"` (default; the fewest requests
+      present), `"pod"` (power-of-2 choices on the tokens waiting) or an `AbstractLeaf`
+      such as `PowerOfD(d)` (`dlbfluid._requests._leaf`; theory/requests.md, *Leaf rules*).
+      `markov` cells have no servers and take `"jsq"` only.
     - `dtype`: `jnp.float64` (default; needs JAX's x64 mode, `dlbfluid.enable_x64()`) or
       `jnp.float32`.
     - `throw`: raise on a failed scenario or trial; default True for one scenario.
@@ -622,6 +648,13 @@ def simulate_requests(
     pol = policy_from_name(policy)
     if service not in SERVICES:
         raise _bad("service", service, f"allowed {', '.join(SERVICES)}")
+    leaf = leaf_from_name(leaf)
+    if service != "servers" and not isinstance(leaf, JoinShortestQueue):
+        raise _bad(
+            "leaf",
+            leaf.name,
+            "markov cells have no servers to choose from: use service='servers' or leaf='jsq'",
+        )
     if not isinstance(histogram, LatencyHistogram):
         raise _bad("histogram", histogram, "expected a LatencyHistogram")
     trials = _count("trials", trials)
@@ -639,7 +672,9 @@ def simulate_requests(
     if not np.all(np.isfinite(lam)):
         raise _bad("scenario.arrival_rates", "non-finite rates", "expected finite rates")
     plan = _servers_plan(scenario, scn, service, k_b, batched)
-    slots = _count("slots", _default_slots(scn, service, k_b, plan) if slots is None else slots)
+    if slots is None:
+        slots = _default_slots(scn, service, k_b, plan, leaf)
+    slots = _count("slots", slots)
     tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
     hist = _hist_len(float(tau.max()) / h)
     sizes = None
@@ -668,6 +703,7 @@ def simulate_requests(
         prefill_decode=plan.prefill_decode,
         max_slots=plan.max_slots,
         sizes=sizes,
+        leaf=leaf,
     )
     scn = jax.tree_util.tree_map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
