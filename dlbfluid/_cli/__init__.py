@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     cache = enable_from_environment()
     procs = None
     try:
+        from .._runtime.devices import fast_compile
+
+        fast_compile()  # ($DLBFLUID_FAST_COMPILE checked before any work)
         if args.command in _CORE_COMMANDS and _one_process(args):
             from .._runtime.devices import use_cpu_cores
 
