@@ -20,7 +20,7 @@ BASE = ["--tick", "0.005", "--horizon", "20", "--window", "0.5", "--policy", "ra
         "--model", "requests", "--trials", "8", "--seed", "3"]  # fmt: skip
 
 POLICY_KEYS = {"status", "trials", "latency", "latency_ci90", "error_rate", "served", "cells"}
-TOP_KEYS = {"model", "service", "leaf", "scale", "seed", "trials", "scenario", "cells", "horizon",
+TOP_KEYS = {"model", "service", "leaf", "probe_smoothing", "scale", "seed", "trials", "scenario", "cells", "horizon",
             "tick", "step_size", "window", "warmup", "status", "policies", "wall_s"}  # fmt: skip
 
 
@@ -91,6 +91,7 @@ def test_simulate_requests_fifo_server_json_contract_and_mm1_mean(files, capsys)
     assert rc == 0 and len(cap.out.strip().splitlines()) == 1
     res = json.loads(cap.out)
     assert res["service"] == "servers" and res["leaf"] == {"rule": "jsq"}
+    assert res["probe_smoothing"] == 0.0
     r = _check_contract(res)
     sol = _per_trial(files["b50"], "servers")
     m = np.asarray(sol.mean_requests)[:, 0]
@@ -196,6 +197,9 @@ class Worked(Exception):
         (["--model", "requests", "--service", "servers", "--pod-d", "2"],
          "--pod-d = '2' is invalid without --leaf pod"),
         (["--leaf", "pod"], "--leaf = 'pod' is invalid with --model fluid"),
+        (["--model", "requests", "--probe-smoothing", "-1"],
+         "--probe-smoothing = '-1' is invalid: expected a finite number >= 0 (seconds)"),
+        (["--probe-smoothing", "1"], "--probe-smoothing = '1' is invalid with --model fluid"),
     ],
 )  # fmt: skip
 def test_bad_options_name_the_flag_in_one_line_before_any_work(
@@ -216,7 +220,8 @@ def test_bad_options_name_the_flag_in_one_line_before_any_work(
     # Valid options reach the work (here the stand-in).
     with pytest.raises(Worked):
         main(["simulate", str(files["b50"]), "--model", "requests", "--service", "servers",
-              "--scale", "2", "--trials", "3", "--seed", "5", "--leaf", "pod", "--pod-d", "3"])  # fmt: skip
+              "--scale", "2", "--trials", "3", "--seed", "5", "--leaf", "pod", "--pod-d", "3",
+              "--probe-smoothing", "0.5"])  # fmt: skip
 
 
 def test_servers_on_a_non_mm1_cell_is_refused(tmp_path, capsys):

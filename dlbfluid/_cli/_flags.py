@@ -17,6 +17,7 @@ from collections.abc import Mapping
 SIMULATE_REQUESTS = {
     "service": "--service",
     "leaf": "--leaf",
+    "probe_smoothing": "--probe-smoothing",
     "scale": "--scale",
     "trials": "--trials",
     "seed": "--seed",

@@ -158,6 +158,13 @@ def _add_request_flags(p) -> None:
         "the fewest requests present) or pod (power-of-d choices on the tokens waiting)",
     )
     g.add_argument(
+        "--probe-smoothing",
+        default=None,
+        metavar="T",
+        help="a time constant T >= 0 (s): the routers see each arc's probed counts through "
+        "an exponential filter of time constant T (default 0: the raw probes)",
+    )
+    g.add_argument(
         "--pod-d",
         default=None,
         metavar="D",
@@ -269,7 +276,7 @@ def request_options(args) -> dict | None:
         raise ValueError(f"--model = {args.model!r} is invalid: allowed {', '.join(MODELS)}")
     policies = list(args.policy or ["flow-grad"])
     if args.model == "fluid":
-        for name in ("service", "scale", "trials", "seed", "leaf", "pod_d"):
+        for name in ("service", "scale", "trials", "seed", "leaf", "pod_d", "probe_smoothing"):
             value = getattr(args, name, None)
             if value is not None:
                 raise ValueError(
@@ -290,6 +297,7 @@ def request_options(args) -> dict | None:
         raise ValueError(f"--service = {service!r} is invalid: allowed {', '.join(SERVICES)}")
     return {
         "leaf": leaf_option(args, service),
+        "probe_smoothing": _smoothing(args.probe_smoothing),
         "model": "requests",
         "service": service,
         "scale": 1 if args.scale is None else _whole("--scale", args.scale, 1),
@@ -299,6 +307,21 @@ def request_options(args) -> dict | None:
         else _whole("--seed", args.seed, 0, SEED_MAX, "an integer in [0, 2**63)"),
         "policies": policies,
     }
+
+
+def _smoothing(text) -> float:
+    """`--probe-smoothing` as seconds >= 0 (0 when not given), or a one-line refusal."""
+    if text is None:
+        return 0.0
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(
+            f"--probe-smoothing = {text!r} is invalid: expected a finite number >= 0 (seconds)"
+        )
+    return v
 
 
 def leaf_option(args, service: str):
@@ -482,6 +505,7 @@ def run_requests(args, req: dict) -> int:
                 pol,
                 service=req["service"],
                 leaf=req["leaf"],
+                probe_smoothing=req["probe_smoothing"],
                 scale=req["scale"],
                 trials=req["trials"],
                 seed=req["seed"],
@@ -505,6 +529,7 @@ def run_requests(args, req: dict) -> int:
         "model": req["model"],
         "service": req["service"],
         "leaf": req["leaf"].describe(),
+        "probe_smoothing": req["probe_smoothing"],
         "scale": req["scale"],
         "seed": req["seed"],
         "trials": req["trials"],

@@ -101,7 +101,7 @@ class Lane(eqx.Module):
     ($+\\infty$: none); `warmup`, `horizon`; `sorted_offsets` `(n, n)` each cell's probe
     offsets in increasing order (row $j$); `rank` `(n, n)` $q_{ij}$, the number of cell
     $j$'s probe offsets strictly before arc $(i, j)$'s; `ticks` $K$; `sizes`;
-    `histogram`.
+    `histogram`; `smoothing` (static) the probes' smoothing time constant (s; 0: none).
     """
 
     scn: Scenario
@@ -121,6 +121,7 @@ class Lane(eqx.Module):
     ticks: int = eqx.field(static=True)
     sizes: Sizes = eqx.field(static=True)
     histogram: LatencyHistogram = eqx.field(static=True)
+    smoothing: float = eqx.field(static=True, default=0.0)
 
 
 class FifoState(eqx.Module):

@@ -123,7 +123,8 @@ class Trial(eqx.Module):
     $k\\bar\\lambda_i$ (the arrival candidates' inverse CDF); `buffer` `(n,)` the cells' buffers at
     scale $k$, $\\lfloor kB_j\\rfloor$ requests ($+\\infty$ for none); `warmup` $t_w$;
     `arc_slots` (static) $F$; `events` (static) $E$, the events a tick may hold (rows of
-    its block of uniforms); `histogram` the latency bins.
+    its block of uniforms); `histogram` the latency bins; `smoothing` (static) the probes'
+    smoothing time constant $T_s$ (s; 0: none, `smooth_probes`).
     """
 
     scn: Scenario
@@ -140,6 +141,7 @@ class Trial(eqx.Module):
     arc_slots: int = eqx.field(static=True)
     events: int = eqx.field(static=True)
     histogram: LatencyHistogram = eqx.field(static=True)
+    smoothing: float = eqx.field(static=True, default=0.0)
 
 
 def init_state(tr: Trial, key) -> LoopState:
@@ -464,6 +466,10 @@ def route(tr, policy_state, obs_ring, probes, k, t_end, tick_drops, tick_arrival
     n = scn.n_cells
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
     cols = jnp.broadcast_to(jnp.arange(n)[None, :], (n, n))
+    if tr.smoothing > 0:
+        # arc (i, j)'s previous (smoothed) probe is the one the last tick wrote
+        prev = obs_ring[(k + setup.m) & (setup.hist - 1), rows, cols]
+        probes = smooth_probes(prev, probes, setup.h, tr.smoothing)
     ring = obs_ring.at[(k + setup.m + 1) & (setup.hist - 1), rows, cols].set(probes)
     obs = Observation(
         k=k,
@@ -482,6 +488,17 @@ def route(tr, policy_state, obs_ring, probes, k, t_end, tick_drops, tick_arrival
     x, pstate = tr.policy.update(scn, setup, policy_state, obs, tr.aux)
     x = x.astype(dtype)
     return x, _cum_routing(scn, x), pstate, ring
+
+
+def smooth_probes(prev, probes, h, smoothing: float):
+    """One tick of the probes' exponential smoothing (`simulate_requests(probe_smoothing=...)`;
+    theory/requests.md, *Probe smoothing*): $\\hat y_k = \\hat y_{k-1} + \\alpha(y_k -
+    \\hat y_{k-1})$ with $\\alpha = 1 - e^{-h/T_s}$, the exact discretisation at the tick
+    $h$ of the first-order filter $\\dot{\\hat y} = (y - \\hat y)/T_s$ of a probe held over
+    the tick; $\\hat y_{-1}$ is the initial count's probe. The filter's mean lag is about $T_s$ and
+    it divides the variance of uncorrelated probe noise by $(2 - \\alpha)/\\alpha$."""
+    alpha = -jnp.expm1(-h / smoothing)
+    return prev + alpha * (probes - prev)
 
 
 def _batched(f):

@@ -20,7 +20,7 @@ from .._runtime.progress import Progress
 from .._scenario import Scenario
 from .._service.base import code as law_code
 from .._simulate import _hist_len, _setup
-from .._validate import integer
+from .._validate import integer, number
 from .._validate import invalid as _bad
 from . import admission as adm
 from ._leaf import AbstractLeaf, JoinShortestQueue, leaf_from_name
@@ -60,6 +60,8 @@ class _Config(eqx.Module):
     # `service="servers"`: the admission-time engine's fixed sizes and the leaf rule
     sizes: adm.Sizes | None = None
     leaf: AbstractLeaf = JoinShortestQueue()
+    # the probes' smoothing time constant (s; 0: none)
+    smoothing: float = 0.0
 
 
 def _count(field: str, value, minimum: int = 1) -> int:
@@ -88,6 +90,7 @@ def _shared(scn, scale, eta, policy: AbstractPolicy, cfg: _Config) -> dict:
         buffer=buffer.astype(dtype),
         warmup=jnp.asarray(cfg.warmup, dtype),
         histogram=cfg.histogram,
+        smoothing=cfg.smoothing,
     )
 
 
@@ -578,6 +581,7 @@ def simulate_requests(
     events: int | None = None,
     histogram: LatencyHistogram = LatencyHistogram(),
     leaf: str | AbstractLeaf = "jsq",
+    probe_smoothing: float = 0.0,
     dtype=None,
     throw: bool | None = None,
     progress: bool = False,
@@ -629,6 +633,9 @@ def simulate_requests(
       present), `"pod"` (power-of-2 choices on the tokens waiting) or an `AbstractLeaf`
       such as `PowerOfD(d)` (`dlbfluid._requests._leaf`; theory/requests.md, *Leaf rules*).
       `markov` cells have no servers and take `"jsq"` only.
+    - `probe_smoothing`: $T_s \\ge 0$ (s): the routers see each arc's probes through an
+      exponential filter of time constant $T_s$ (`dlbfluid._requests.loop.smooth_probes`;
+      theory/requests.md, *Probe smoothing*); 0 (default): the raw probes, bit for bit.
     - `dtype`: `jnp.float64` (default; needs JAX's x64 mode, `dlbfluid.enable_x64()`) or
       `jnp.float32`.
     - `throw`: raise on a failed scenario or trial; default True for one scenario.
@@ -649,6 +656,7 @@ def simulate_requests(
     if service not in SERVICES:
         raise _bad("service", service, f"allowed {', '.join(SERVICES)}")
     leaf = leaf_from_name(leaf)
+    smoothing = number("probe_smoothing", probe_smoothing, lo=0.0)
     if service != "servers" and not isinstance(leaf, JoinShortestQueue):
         raise _bad(
             "leaf",
@@ -704,6 +712,7 @@ def simulate_requests(
         max_slots=plan.max_slots,
         sizes=sizes,
         leaf=leaf,
+        smoothing=smoothing,
     )
     scn = jax.tree_util.tree_map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
