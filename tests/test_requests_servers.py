@@ -533,8 +533,8 @@ def test_default_queue_is_per_server_for_cells_without_buffers():
     server gets 4 x 19 + 2 -> 128; 100 servers 16; a scenario with both 128 (the
     one-server cell's), where dividing by the largest count (100) would give 64 and
     overflow sooner. With finite buffers the default is unchanged (App.-B, below). The
-    leaf rule `pod`, which JSQ's bound does not cover, gets four times JSQ's need, never
-    above the cell's buffer + 1."""
+    leaf rule `pod` with d = 1, a random split that JSQ's bound does not cover, gets four
+    times JSQ's need, never above the cell's buffer + 1; with d >= 2 JSQ's."""
     from dlbfluid._requests import simulate as sm
     from dlbfluid._requests._leaf import JoinShortestQueue, PowerOfD
 
@@ -553,7 +553,8 @@ def test_default_queue_is_per_server_for_cells_without_buffers():
     assert default([mm1(1, 1.0)]) == 128
     assert default([mm1(100, 100.0)]) == 16
     assert default([mm1(1, 1.0), mm1(100, 100.0)]) == 128
-    assert default([mm1(1, 1.0)], PowerOfD(2)) == 512  # (4 x 78 -> 512)
+    assert default([mm1(1, 1.0)], PowerOfD(1)) == 512  # (4 x 78 -> 512)
+    assert default([mm1(1, 1.0)], PowerOfD(2)) == 128  # (JSQ's)
     assert default([{**mm1(4, 4.0), "buffer": 40.0}], PowerOfD(1)) == 64  # (min(4 x 41, 41))
     d = scenario_dicts(generate(0, 2), horizon=10.0)
     scn = dl.stack_scenarios([scenario_from_dict(x, allow_overload=True) for x in d])
