@@ -187,24 +187,26 @@ def test_solver_options_follow_the_arguments_dtype():
 
 
 def test_fast_compile_adds_the_optimisation_level_and_checks_its_value(monkeypatch, capsys):
-    """`DLBFLUID_FAST_COMPILE=1` adds XLA's backend optimisation level 0 to both dtypes'
-    options; `0` or unset leaves the options as they are; another value is refused naming
-    the variable."""
+    """`DLBFLUID_FAST_COMPILE=1` adds XLA's backend optimisation level 0 to the options of
+    a certified program (the equilibrium solver) of either dtype, never to the simulator's;
+    `0` or unset leaves the options as they are; another value is refused naming the
+    variable."""
     from dlbfluid._runtime import devices as _devices
 
     key = "xla_backend_optimization_level"
     monkeypatch.setenv(_devices.FAST_COMPILE_ENV, "1")
-    on = (_devices.compiler_options(False), _devices.compiler_options(True))
+    on = [_devices.compiler_options(f32, certified=True) for f32 in (False, True)]
     assert all(o[key] == 0 for o in on)
+    assert key not in _devices.compiler_options(False)  # (the simulator's)
     for off in ("0", ""):
         monkeypatch.setenv(_devices.FAST_COMPILE_ENV, off)
-        assert key not in _devices.compiler_options(False)
-        assert _devices.compiler_options(False) == {k: v for k, v in on[0].items() if k != key}
+        plain = _devices.compiler_options(False, certified=True)
+        assert plain == {k: v for k, v in on[0].items() if k != key}
     monkeypatch.delenv(_devices.FAST_COMPILE_ENV)
-    assert key not in _devices.compiler_options(True)
+    assert key not in _devices.compiler_options(True, certified=True)
     monkeypatch.setenv(_devices.FAST_COMPILE_ENV, "yes")
     with pytest.raises(ValueError, match=r"DLBFLUID_FAST_COMPILE = 'yes' is invalid: expected 1"):
-        _devices.compiler_options(False)
+        _devices.compiler_options(False, certified=True)
     # The command line refuses it before any work, in one line (exit status 2).
     from dlbfluid._cli import main
 

@@ -296,7 +296,7 @@ def solve_equilibrium(
         (scn, lam, jnp.asarray(tol, jnp.float64), jnp.asarray(max_iters, jnp.int32)),
         (cost, solver),
         trace=functools.partial(_solve_batch_impl, cost=cost, solver=solver),
-        compiler_options=compiler_options(uses_float32(scn)),
+        compiler_options=compiler_options(uses_float32(scn), certified=True),
     )
     out, mask = _take((out, scn.cell_mask), B)
     sol = EquilibriumSolution(

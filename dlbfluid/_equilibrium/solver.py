@@ -198,4 +198,4 @@ def _solve_batch_impl(scn, lam, tol, max_iters, *, cost, solver):
 
 
 # The compiled batched solver, with the solvers' XLA options.
-_solve_batch = solver_jit(_solve_batch_impl, static_argnames=("cost", "solver"))
+_solve_batch = solver_jit(_solve_batch_impl, certified=True, static_argnames=("cost", "solver"))
