@@ -25,7 +25,9 @@ from dlbfluid._requests._leaf import JoinShortestQueue, PowerOfD
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[H.parent_parser(repeats=2)])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], parents=[H.parent_parser(repeats=2)]
+    )
     ap.add_argument("--scenarios", type=int, default=10)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--horizon", type=float, default=20.0)
@@ -77,7 +79,9 @@ def main(argv=None):
         "command": H.command(argv),
         "rules": out,
     }
-    H.log(H.markdown_table(["leaf", "wall s", "compile s", "x jsq", "mean latency s", "status"], rows))
+    H.log(
+        H.markdown_table(["leaf", "wall s", "compile s", "x jsq", "mean latency s", "status"], rows)
+    )
     H.emit(record, args.out)
     return record
 
