@@ -19,7 +19,8 @@ the `--out` record.
   seconds and its stdout (a failure raises with the tail of its stderr).
 * **Tables.** `markdown_table(header, rows)`: the table a script prints on stderr, ready to
   paste into benchmarks/README.md.
-* **Output.** `parent_parser()` gives every script `--out` (and `--repeats` where asked);
+* **Output.** `header(name, args, env, argv)`: the keys a record starts with (its name,
+  options, environment, git state and command). `parent_parser()` gives every script `--out` (and `--repeats` where asked);
   `parse(p, argv)` refuses a bad `--out` before any work starts (a directory, a missing or
   read-only folder); `emit(record, out)` prints the JSON record on stdout and writes it to
   `--out` atomically (a temporary file in the same folder, then a rename), so that an
@@ -244,6 +245,19 @@ def command(argv: Sequence[str] | None) -> str | None:
     script = Path(sys.argv[0]).resolve()
     name = script.relative_to(ROOT) if script.is_relative_to(ROOT) else Path(sys.argv[0])
     return " ".join([str(name)] + sys.argv[1:])
+
+
+def header(name: str, args: argparse.Namespace, env: dict, argv: Sequence[str] | None) -> dict:
+    """The keys every record starts with: `benchmark` (the script's name), `config` (its
+    options but `--out`), `environment` (`env`, taken before the timings), `git`
+    (`git_state`) and `command` (`command`)."""
+    return {
+        "benchmark": name,
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "environment": env,
+        "git": git_state(),
+        "command": command(argv),
+    }
 
 
 _ENVIRONMENT: dict[str, Callable[[], Any]] = {

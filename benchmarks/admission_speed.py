@@ -62,11 +62,7 @@ def main(argv=None):
     per_tick_req = t_req.wall_s / (lanes * ticks)
     per_tick_fluid = t_fluid.wall_s / (lanes * ticks)
     record = {
-        "benchmark": "admission_speed",
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "environment": env,
-        "git": H.git_state(),
-        "command": H.command(argv),
+        **H.header("admission_speed", args, env, argv),
         "requests": {
             "wall_s": t_req.wall_s,
             "cpu_s": min(t_req.cpus_s),

@@ -72,11 +72,7 @@ def main(argv=None):
         rows.append([name, f"{r['wall_s']:.2f}", f"{r['compile_s']:.1f}", f"{r['ratio_to_jsq']:.2f}",
                      f"{r['mean_latency']:.4f}", ", ".join(r["status"])])  # fmt: skip
     record = {
-        "benchmark": "leaf_cost",
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "environment": env,
-        "git": H.git_state(),
-        "command": H.command(argv),
+        **H.header("leaf_cost", args, env, argv),
         "rules": out,
     }
     H.log(

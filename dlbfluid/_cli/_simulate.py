@@ -22,6 +22,7 @@ from ._common import (
     emit_json,
     fraction,
     load_scenario_arg,
+    nonneg_float,
     plural,
     positive_float,
     positive_int,
@@ -310,18 +311,14 @@ def request_options(args) -> dict | None:
 
 
 def _smoothing(text) -> float:
-    """`--probe-smoothing` as seconds >= 0 (0 when not given), or a one-line refusal."""
+    """`--probe-smoothing` as seconds >= 0 (0 when not given; `nonneg_float`'s check), or a
+    one-line refusal naming the option."""
     if text is None:
         return 0.0
     try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v >= 0):
-        raise ValueError(
-            f"--probe-smoothing = {text!r} is invalid: expected a finite number >= 0 (seconds)"
-        )
-    return v
+        return nonneg_float("probe_smoothing")(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--probe-smoothing = {e} (seconds)") from None
 
 
 def leaf_option(args, service: str):

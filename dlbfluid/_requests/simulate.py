@@ -456,7 +456,8 @@ def _servers_plan(scenario, scn, service: str, k_b, batched: bool) -> _Plan:
 
 def _default_slots(scn, service: str, k_b, plan: _Plan, leaf: AbstractLeaf) -> int:
     """`slots` by default (the docstring of `simulate_requests`)."""
-    need = _default_need(scn, service, k_b, plan)
+    finite = _finite_buffers(scn)
+    need = _default_need(scn, service, k_b, plan, finite)
     if service != "servers":
         return _pow2(max(64.0, need))
     if isinstance(leaf, PowerOfD) and leaf.d == 1:
@@ -466,25 +467,34 @@ def _default_slots(scn, service: str, k_b, plan: _Plan, leaf: AbstractLeaf) -> i
         # scenarios x 5 trials x 20 s, pod(2) never filled it, and a four-times queue cost
         # 2.3x jsq's time against 1.2x, every admission reading S Q entries.)
         need = 4.0 * need
-        mask, buf = np.asarray(scn.cell_mask), np.asarray(scn.buffer)
-        if np.all(np.isfinite(buf[mask])):
-            need = min(need, float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)))) + 1)
-    if np.all(np.isfinite(np.asarray(scn.buffer)[np.asarray(scn.cell_mask)])):
-        return _pow2(max(64.0, need))
-    return _pow2(max(16.0, need))
+        if finite:
+            need = min(need, _cell_bound(scn, k_b))
+    return _pow2(max(64.0 if finite else 16.0, need))
 
 
-def _default_need(scn, service: str, k_b, plan: _Plan) -> float:
-    """The requests a cell (`markov`) or a server (`servers`, join-the-shortest-queue)
-    must hold, before rounding (`_default_slots`)."""
+def _finite_buffers(scn) -> bool:
+    """Whether every real cell of the batch has a finite buffer."""
+    return bool(np.all(np.isfinite(np.asarray(scn.buffer)[np.asarray(scn.cell_mask)])))
+
+
+def _cell_bound(scn, k_b) -> float:
+    """The most requests a cell can hold with finite buffers: the largest $\\lfloor
+    kB_j\\rfloor + 1$."""
     mask, buf = np.asarray(scn.cell_mask), np.asarray(scn.buffer)
-    if np.all(np.isfinite(buf[mask])):
-        need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)))) + 1
+    return float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)))) + 1
+
+
+def _default_need(scn, service: str, k_b, plan: _Plan, finite: bool) -> float:
+    """The requests a cell (`markov`) or a server (`servers`, join-the-shortest-queue)
+    must hold, before rounding (`_default_slots`; `finite`: `_finite_buffers`)."""
+    mask = np.asarray(scn.cell_mask)
+    if finite:
         if plan.prefill_decode:
             # Join the shortest queue: a server holds at most floor(kB_j / S_j) + 1.
             S_j = np.maximum(np.round(plan.servers), 1)
-            need = float(np.max(np.floor(k_b[:, None] * np.where(mask, buf, 0.0)) / S_j)) + 2
-        return need
+            buf = np.where(mask, np.asarray(scn.buffer), 0.0)
+            return float(np.max(np.floor(k_b[:, None] * buf) / S_j)) + 2
+        return _cell_bound(scn, k_b)
     cap = jnp.asarray(np.asarray(scn.service.capacity))
     work = np.asarray(scn.service.inverse_rate(0.95 * cap))
     n0 = np.asarray(scn.initial_workload)
