@@ -367,8 +367,8 @@ class _Leaky(dl.AbstractIntegrator):
     inner: dl.Fast
     leak: jnp.ndarray
 
-    def tick(self, scn, setup, tk, N, xprev, xcur, c):
-        out = self.inner.tick(scn, setup, tk, N, xprev, xcur, c)
+    def tick(self, scn, setup, tk, N, xprev, xcur, c, speed):
+        out = self.inner.tick(scn, setup, tk, N, xprev, xcur, c, speed)
         return eqx.tree_at(lambda r: r.N, out, out.N * (1.0 - self.leak))
 
     def for_batch(self, scn, tick):

@@ -52,6 +52,13 @@ class AbstractCost(eqx.Module):
         """$g_{ij}$: the round trip $2\\tau_{ij}$ (0 on forbidden arcs)."""
         return 2.0 * scn.latency
 
+    def slowed(self, f, s):
+        """$f_j$ of a cell whose service times are multiplied by $s_j$ (a `service_schedule`),
+        from its nominal value `f`: a cost measured in time is multiplied by $s$ (the
+        default: $\\ell_j$ and $1/\\mu_j'$ both scale with the service time); a cost that
+        counts requests overrides this."""
+        return f * s
+
     def derivative(self, scn, N):
         """$f_j'(N_j)$ (forward-mode derivative of `destination`)."""
         return jax.jvp(lambda M: self.destination(scn, M), (N,), (jnp.ones_like(N),))[1]
@@ -91,7 +98,7 @@ def arc_cost(cost, scn):
     return cost_from_name(cost).arc(scn)
 
 
-def route_costs(cost, scn, N_observed, scale=None):
+def route_costs(cost, scn, N_observed, scale=None, slowdown=None):
     """$\\hat c_{ij} = \\hat f_j(N_j(t-\\tau_{ij})/c_{ij}) + g_{ij}$ from the `(n, n)` observed
     workloads, as the routers compute it.
 
@@ -100,11 +107,16 @@ def route_costs(cost, scn, N_observed, scale=None):
     $c_{ij} = k_j(t-\\tau_{ij})/k_j$ (default 1): a cell of $c k_j$ replicas behaves as the
     nominal cell at workload $N/c$, so all three costs, RIF included
     ($N/(c k_j) = (N/c)/k_j$), are the nominal ones at $N/c$ (theory/evaluation.md).
+    `slowdown` is the observed service slowdown $s_{ij} = s_j(t-\\tau_{ij})$ (default 1):
+    the latency and gradient costs are multiplied by it, RIF is not (`AbstractCost.slowed`).
     """
     c = cost_from_name(cost)
     believed = dataclasses.replace(scn, service=scn.estimate)
     N = N_observed if scale is None else N_observed / scale
-    return c.destination(believed, N) + c.arc(scn)
+    f = c.destination(believed, N)
+    if slowdown is not None:
+        f = c.slowed(f, slowdown)
+    return f + c.arc(scn)
 
 
 def short_name(cost) -> str:

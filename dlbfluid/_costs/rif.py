@@ -24,5 +24,9 @@ class RIF(AbstractCost):
     def arc(self, scn):
         return jnp.zeros_like(scn.latency)
 
+    def slowed(self, f, s):
+        # (requests per replica: a slower cell holds more of them, but the count is the count)
+        return f
+
     def potential(self, scn, z, N):
         return scn.service.rif_potential(z, N) / like(scn.replicas, N)

@@ -41,7 +41,7 @@ class Accurate(AbstractIntegrator):
         tol = [to_device(np.asarray(v, dtype)) for v in (self.rtol, self.atol)]
         return eqx.tree_at(lambda a: (a.rtol, a.atol), self, tuple(tol))
 
-    def tick(self, scn, setup, tk, N, xprev, xcur, c) -> TickResult:
+    def tick(self, scn, setup, tk, N, xprev, xcur, c, speed) -> TickResult:
         """One tick, one cell at a time.
 
         Given the routing history the cells are decoupled: cell $j$ sees only the $n$ inflow
@@ -53,13 +53,13 @@ class Accurate(AbstractIntegrator):
         times, rates = scn.arrival_times, scn.arrival_rates
         rate_fn = jax.vmap(jnp.interp, in_axes=(0, 0, 0))
 
-        def one_cell(N_j, tau_j, r_j, xp_j, xc_j, off_j, sv_j, c_j):
+        def one_cell(N_j, tau_j, r_j, xp_j, xc_j, off_j, sv_j, c_j, v_j):
             cell = jax.tree_util.tree_map(lambda a: a[None], sv_j)
 
             def field(t, y, args):
                 lam = rate_fn(t - tau_j, times, rates)  # (n,) over sources
                 inflow = jnp.sum(lam * jnp.where(t - tk < r_j, xp_j, xc_j))
-                out = c_j * cell.rate(y[0][None] / c_j)[0]
+                out = v_j * c_j * cell.rate(y[0][None] / c_j)[0]
                 return (inflow - out, out, inflow, y[0])
 
             jumps = tk + r_j
@@ -87,8 +87,8 @@ class Accurate(AbstractIntegrator):
             ok = sol.result == dfx.RESULTS.successful
             return Ns[-1], obs_j, sol.ys[2][-1], sol.ys[1][-1], sol.ys[3][-1], ok
 
-        N1, obs_t, arr, dep, q, ok = jax.vmap(one_cell, in_axes=(0, 1, 1, 1, 1, 1, 0, 0))(
-            N, tau, r, xprev, xcur, offsets, scn.service, c
+        N1, obs_t, arr, dep, q, ok = jax.vmap(one_cell, in_axes=(0, 1, 1, 1, 1, 1, 0, 0, 0))(
+            N, tau, r, xprev, xcur, offsets, scn.service, c, speed
         )
         status = jnp.where(jnp.all(ok), RESULTS.success, RESULTS.solver_failed)
         return TickResult(

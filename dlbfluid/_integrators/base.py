@@ -51,10 +51,12 @@ class AbstractIntegrator(eqx.Module):
     supports_buffers: ClassVar[bool] = True
 
     @abc.abstractmethod
-    def tick(self, scn, setup, tk, N, xprev, xcur, c) -> TickResult:
+    def tick(self, scn, setup, tk, N, xprev, xcur, c, speed) -> TickResult:
         """One tick from $t_k$ = `tk`: `scn` (arrival profiles cut to the tick's window),
         `setup` (`TickSetup`), workloads `N`, the routings `xprev`/`xcur` in force on each
-        arc before/after its switch, and the replica fractions `c` (`(n,)`)."""
+        arc before/after its switch, the replica fractions `c` and the speeds $1/s_j$ of
+        the service schedules, `speed` (`(n,)` each): cell $j$ processes
+        `scaled_rate(service, c, speed)`."""
 
     def for_batch(self, scn, tick: float) -> AbstractIntegrator:
         """The integrator for a batch whose longest tick is `tick` (host side, before
@@ -73,7 +75,10 @@ def arc_integrals(scn, a, b):
     return fn(scn.arrival_times, scn.arrival_rates, a, b)
 
 
-def scaled_rate(service, c):
-    """$\\mu_j^{(c)}(N) = c_j\\,\\mu_j(N/c_j)$: a cell running $c_j k_j$ of its $k_j$ replicas
-    with the load spread evenly (theory/evaluation.md, *Replicas*)."""
-    return lambda N: like(c, N) * service.rate(N / like(c, N))
+def scaled_rate(service, c, speed=None):
+    """$\\mu_j^{(c, v)}(N) = v_j c_j\\,\\mu_j(N/c_j)$: a cell running $c_j k_j$ of its $k_j$
+    replicas with the load spread evenly (theory/evaluation.md, *Replicas*), at speed
+    $v_j = 1/s_j$ of its service schedule (*Service schedules*; default 1)."""
+    if speed is None:
+        return lambda N: like(c, N) * service.rate(N / like(c, N))
+    return lambda N: like(speed * c, N) * service.rate(N / like(c, N))

@@ -127,14 +127,14 @@ class Fast(AbstractIntegrator):
         M = int(np.max(self.steps_per_tick(scn, tick, xp=np), initial=1))
         return Fast(max_rate_step=self.max_rate_step, max_substeps=max(M, 1))
 
-    def tick(self, scn, setup, tk, N, xprev, xcur, c) -> TickResult:
+    def tick(self, scn, setup, tk, N, xprev, xcur, c, speed) -> TickResult:
         h, tau, r, offsets = setup.h, setup.tau, setup.r, setup.offsets
         n = N.shape[0]
         dtype = N.dtype
         coef = _inflow(*_arc_pieces(scn, tk, tau, r, h, xprev, xcur))
         A = lambda t: _cumulative(coef, r, t)  # noqa: E731
         total = A(jnp.full((n,), h, dtype))
-        rate = scaled_rate(scn.service, c)
+        rate = scaled_rate(scn.service, c, speed)
         cap = scn.buffer * c  # a cell running c k_j servers holds c B_j
         clip = lambda v: jnp.minimum(v, cap)  # noqa: E731
         # Steps: a fixed number, or this scenario's own M <= max_substeps (then the steps

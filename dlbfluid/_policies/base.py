@@ -26,7 +26,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._costs import route_costs
 from .._registry import BUILTIN_POLICIES, POLICIES
-from .._scenario import replica_scale
+from .._scenario import piecewise_constant, replica_scale
 
 POLICY_NAMES = BUILTIN_POLICIES
 """The eight built-in policies (`dlbfluid._registry.POLICIES` also lists registered ones)."""
@@ -43,6 +43,25 @@ def replica_fractions(scn, t):
     return jax.vmap(replica_scale, in_axes=(0, 0, 0, -1), out_axes=-1)(
         scn.replica_times, scn.replica_counts, scn.replicas, t
     )
+
+
+def slowdown_factors(scn, t):
+    """Every cell's service slowdown $s_j(t)$ (its `service_schedule`), `(..., n)`, with
+    `t` broadcast as in `replica_fractions`. The one home of the factor that the
+    simulators' processing rates, `Observation.slowdown` and `MNLB` use."""
+    n = scn.replicas.shape[-1]
+    t = jnp.broadcast_to(t, jnp.broadcast_shapes(jnp.shape(t), (n,)))
+    return jax.vmap(piecewise_constant, in_axes=(0, 0, -1), out_axes=-1)(
+        scn.slowdown_times, scn.slowdown_factors, t
+    )
+
+
+def observed_slowdown(scn, t_obs):
+    """`Observation.slowdown`: $s_j(t_{k+1} - \\tau_{ij})$ `(n, n)` at the observation
+    times `t_obs` `(n, n)`, or None when the scenario (or batch) has no service schedule
+    (a static test of the schedule's width: the parser stores every schedule given with
+    two columns at least)."""
+    return slowdown_factors(scn, t_obs) if scn.slowdown_times.shape[-1] > 1 else None
 
 
 class TickSetup(eqx.Module):
@@ -74,6 +93,8 @@ class Observation(eqx.Module):
     - `workload`: `(n, n)` $N_j(t_{k+1} - \\tau_{ij})$, the probed workloads.
     - `scale`: `(n, n)` observed replica fraction $k_j(t_{k+1}-\\tau_{ij})/k_j$
       (`replica_fractions`), or `None` when no scenario has a replica schedule.
+    - `slowdown`: `(n, n)` observed service slowdown $s_j(t_{k+1}-\\tau_{ij})$
+      (`slowdown_factors`), or `None` when no scenario has a service schedule.
     - `drops`, `arrivals`: `(n,)` flow dropped by, and arriving at, each cell during tick
       `k` (the cells' own counters, seen by the routers only through the probe).
     """
@@ -84,6 +105,7 @@ class Observation(eqx.Module):
     scale: Float[Array, "n n"] | None
     drops: Float[Array, " n"]
     arrivals: Float[Array, " n"]
+    slowdown: Float[Array, "n n"] | None = None
 
 
 class AbstractPolicy(eqx.Module):
@@ -136,7 +158,7 @@ class AbstractCostPolicy(AbstractPolicy):
         per-router step $\\eta_i h$."""
 
     def update(self, scn, setup, state, obs, aux):
-        costs = route_costs(self.cost, scn, obs.workload, obs.scale)
+        costs = route_costs(self.cost, scn, obs.workload, obs.scale, obs.slowdown)
         x = self.route(state, costs, setup.step, scn.allowed)
         return x, x
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .._scenario.arrivals import rate_integral
-from .base import AbstractPolicy, replica_fractions
+from .base import AbstractPolicy, replica_fractions, slowdown_factors
 from .mnlb_weights import mnlb_weights
 
 
@@ -56,8 +56,10 @@ class MNLB(AbstractPolicy):
             )
             / T
         )  # (P, n)
-        scale = replica_fractions(scn, (tp + 1e-9 * T)[:, None])  # (P, n)
-        cap = scale * scn.service.capacity[None, :]
+        at = (tp + 1e-9 * T)[:, None]
+        scale = replica_fractions(scn, at)  # (P, n)
+        # (a centralised balancer knows every cell's capacity, slowed ones included)
+        cap = scale * scn.service.capacity[None, :] / slowdown_factors(scn, at)
         x, _ = jax.vmap(
             lambda lm, cp: mnlb_weights(
                 lm,

@@ -47,7 +47,7 @@ from .._policies import AbstractPolicy, TickSetup
 from .._scenario import Scenario
 from .._scenario.arrivals import rate_at
 from ._leaf import AbstractLeaf, JoinShortestQueue
-from .fifo import FifoCells, running, serve
+from .fifo import FifoCells, ServiceClock, running, serve
 from .histogram import LatencyHistogram
 from .loop import (
     OVERFLOW_ARCS,
@@ -320,11 +320,21 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     total = jnp.sum(per)
     reject = ok & ~initial & (total.astype(dtype) >= st.buffer[j])
     valid = jnp.arange(S) < st.active[j]
+    # A service schedule: the servers work at its speed (theory/requests.md, *Service
+    # schedules*); without one (a static test) the sums are the plain ones.
+    clock = (
+        ServiceClock.of(ln.scn.slowdown_times[j], ln.scn.slowdown_factors[j], dtype)
+        if ln.scn.slowdown_times.shape[-1] > 1
+        else None
+    )
     s = JoinShortestQueue().choose(None, per, None, valid)
     if not isinstance(ln.leaf, JoinShortestQueue):
         # (the requests present at t = 0 still go round-robin: the same start for every rule)
         key = jr.fold_in(st.key, st.events) if ln.leaf.random else None
-        tokens = cells.tokens_waiting(j, st.srv[j], t, D)
+        if clock is None:
+            tokens = cells.tokens_waiting(j, st.srv[j], t, D)
+        else:  # (the tokens still to process are the work still to do)
+            tokens = cells.tokens_waiting(j, clock.forward(st.srv[j]), clock.forward(t), D)
         s = jnp.where(initial, s, ln.leaf.choose(key, per, tokens, valid))
     pick = jnp.arange(S) == s
     row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
@@ -334,7 +344,9 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     tok = st.tokens[jnp.minimum(st.tptr, z.token_rows - 1)]
     no_row = do & (st.tptr >= st.tn)
     pw, dw = cells.work(j, tok)
-    new_row, c, pf, vstart = serve(row, t, pw, dw, D)
+    new_row, c, pf, vstart = serve(row, t, pw, dw, D, clock)
+    # (the prefill's start: pf - pw is kept where there is no schedule, bit for bit)
+    p0 = pf - pw if clock is None else jnp.maximum(t, row[0])
     decode = dw > 0
     # (an index past an array drops the write; the row written depends on the block read)
     srv = st.srv.at[j, jnp.where(do, s, S)].set(new_row, mode="drop")
@@ -370,7 +382,7 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     lat = c - origin
     busy = jnp.where(
         cells.prefill_bound[j],
-        _overlap(pf - pw, pf, w0, T),
+        _overlap(p0, pf, w0, T),
         jnp.where(decode, _overlap(vstart, c, w0, T), 0.0)
         / jnp.maximum(cells.decode_slots[j], 1).astype(dtype),
     )

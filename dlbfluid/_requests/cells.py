@@ -35,11 +35,14 @@ class AbstractCells(eqx.Module):
         of the cells (for kinds that draw per-request quantities)."""
 
     @abc.abstractmethod
-    def refresh(self, state, frac: Float[Array, " n"], cap: Float[Array, " n"]):
+    def refresh(
+        self, state, frac: Float[Array, " n"], speed: Float[Array, " n"], cap: Float[Array, " n"]
+    ):
         """`(state, dropped)`: the state at the start of a tick, once per tick and trial
         (before its events). `frac` is each cell's replica fraction $c_j$ in force during
         the tick (`replica_fractions` at the tick's midpoint, as the fluid simulator reads
-        it) and `cap` its buffer $\\lfloor kc_jB_j\\rfloor$ (theory/requests.md, *Replica
+        it), `speed` its service speed $1/s_j$ (`slowdown_factors`, likewise) and `cap` its
+        buffer $\\lfloor kc_jB_j\\rfloor$ (theory/requests.md, *Replica
         schedules*): the kind scales its service to the running replicas here, and
         `dropped` `(n,)` counts the requests it removed (markov: those above a shrunk
         buffer). Kinds that draw per-request quantities draw a tick's block of them here,

@@ -23,6 +23,7 @@ import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int
 
 from .._scenario import Workload
+from .._shapes import lead
 from .gamma import gamma
 
 
@@ -105,7 +106,47 @@ class FifoCells(eqx.Module):
         return pw, dw
 
 
-def serve(row, t, pw, dw, slots: int):
+class ServiceClock(eqx.Module):
+    """The work a server of one cell does by time $t$ under its service schedule:
+    $\\Phi(t) = \\int v$, $v = 1/s_j$ piecewise constant (theory/requests.md, *Service
+    schedules*). In $\\Phi$'s units every server runs at unit speed, so a stage that starts
+    a request of work $w$ at $a$ ends at $\\Phi^{-1}(\\Phi(a) + w)$ (`advance`): the schedule
+    is known in advance, and a completion is still fixed at admission.
+
+    **Fields:** `times` `(S,)` the schedule's breakpoints $T_q$, `speed` `(S,)` $v_q$ from
+    $T_q$ on (also before $T_0$), `work` `(S,)` $\\Phi(T_q)$ with $\\Phi(T_0) = 0$.
+    """
+
+    times: Float[Array, " S"]
+    speed: Float[Array, " S"]
+    work: Float[Array, " S"]
+
+    @classmethod
+    def of(cls, times, factors, dtype):
+        """The clock of a cell from its `service_schedule` breakpoints and factors."""
+        times = times.astype(dtype)
+        speed = (1.0 / factors).astype(dtype)
+        steps = speed[:-1] * (times[1:] - times[:-1])
+        return cls(times, speed, jnp.concatenate([jnp.zeros((1,), dtype), jnp.cumsum(steps)]))
+
+    def forward(self, t):
+        """$\\Phi(t)$ (`t` any shape; $+\\infty$ stays $+\\infty$)."""
+        t = jnp.asarray(t)
+        q = jnp.clip(jnp.sum(lead(self.times, t.ndim + 1) <= t[..., None], -1) - 1, 0, None)
+        return self.work[q] + self.speed[q] * (t - self.times[q])
+
+    def inverse(self, w):
+        """$\\Phi^{-1}(w)$."""
+        w = jnp.asarray(w)
+        q = jnp.clip(jnp.sum(lead(self.work, w.ndim + 1) <= w[..., None], -1) - 1, 0, None)
+        return self.times[q] + (w - self.work[q]) / self.speed[q]
+
+    def advance(self, a, w):
+        """The time at which work `w` started at `a` ends."""
+        return self.inverse(self.forward(a) + w)
+
+
+def serve(row, t, pw, dw, slots: int, clock: ServiceClock | None = None):
     """One server's admission (module docstring): `row` `(1 + slots + Q,)` holds when its
     prefill engine frees, when each decode slot frees ($+\\infty$ for slots it lacks) and
     the completion times of its requests; a request of prefill work `pw` and decode work
@@ -113,13 +154,15 @@ def serve(row, t, pw, dw, slots: int):
     the request's completion $c$, the end $f$ of its prefill and the start of its decode
     (Lindley, then Kiefer-Wolfowitz; $c = f$ when `dw` is 0). The request takes the first
     free entry of the completion times (one whose time has passed: the caller checks that
-    the server holds fewer than Q)."""
-    f = jnp.maximum(t, row[0]) + pw
+    the server holds fewer than Q). With a `clock` (a service schedule) each stage's work
+    is done at the schedule's speed: `ServiceClock.advance` replaces the sums."""
+    add = (lambda a, w: a + w) if clock is None else clock.advance  # noqa: E731
+    f = add(jnp.maximum(t, row[0]), pw)
     v = row[1 : 1 + slots]
     m = jnp.argmin(v)
     start = jnp.maximum(f, v[m])
     decode = dw > 0
-    c = jnp.where(decode, start + dw, f)
+    c = jnp.where(decode, add(start, dw), f)
     q = jnp.argmin(row[1 + slots :])
     idx = jnp.arange(row.shape[0])
     new = jnp.where(idx == 0, f, row)

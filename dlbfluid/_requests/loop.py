@@ -34,7 +34,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int
 
 from .._policies import AbstractPolicy, Observation, TickSetup
-from .._policies.base import replica_fractions
+from .._policies.base import observed_slowdown, replica_fractions, slowdown_factors
 from .._scenario import Scenario
 from .._scenario.arrivals import rate_at
 from .cells import AbstractCells
@@ -423,13 +423,16 @@ def _draw(tr: Trial, st: LoopState) -> LoopState:
     """A fresh block of uniforms for the tick's events (drawn at once: one call of the
     generator per tick instead of one per event), and the cells' refresh
     (`AbstractCells.refresh`): their own block, and the tick's replica fractions
-    $c_j$ = `replica_fractions` at the tick's midpoint (as the fluid simulator reads them,
-    so that a change on the tick grid takes effect exactly at its time) with the buffers
+    $c_j$ = `replica_fractions` and service speeds $1/s_j$ (`slowdown_factors`) at the tick's
+    midpoint (as the fluid simulator reads them, so that a change on the tick grid takes
+    effect exactly at its time) with the buffers
     $\\lfloor kc_jB_j\\rfloor$; the requests a cell drops there count as the tick's drops."""
     key, sub = jr.split(st.key)
     u = jr.uniform(sub, (tr.events, 5), st.uniforms.dtype)
-    frac, buffer = tick_capacity(tr.scn, tr.scale, st.t + 0.5 * tr.setup.h, st.x.dtype)
-    cells, dropped = tr.cells.refresh(st.cells, frac, buffer)
+    t_mid = st.t + 0.5 * tr.setup.h
+    frac, buffer = tick_capacity(tr.scn, tr.scale, t_mid, st.x.dtype)
+    speed = (1.0 / slowdown_factors(tr.scn, t_mid)).astype(st.x.dtype)
+    cells, dropped = tr.cells.refresh(st.cells, frac, speed, buffer)
     dropped = dropped.astype(jnp.int32)
     win = (st.t >= tr.warmup).astype(jnp.int32)
     stats = dataclasses.replace(st.stats, drops=st.stats.drops + win * dropped)
@@ -482,12 +485,17 @@ def route(tr, policy_state, obs_ring, probes, k, t_end, tick_drops, tick_arrival
             if scn.replica_times.shape[-1] > 1
             else None
         ),
+        slowdown=_cast(observed_slowdown(scn, t_end - setup.tau), dtype),
         drops=tick_drops.astype(dtype) / tr.scale,
         arrivals=tick_arrivals.astype(dtype) / tr.scale,
     )
     x, pstate = tr.policy.update(scn, setup, policy_state, obs, tr.aux)
     x = x.astype(dtype)
     return x, _cum_routing(scn, x), pstate, ring
+
+
+def _cast(x, dtype):
+    return None if x is None else x.astype(dtype)
 
 
 def smooth_probes(prev, probes, h, smoothing: float):

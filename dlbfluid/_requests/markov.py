@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -18,11 +20,13 @@ class MarkovState(eqx.Module):
       `j` occupy slots `0 .. count[j] - 1` (a completion moves the last one into the hole).
     - `count`: `(n,)` requests present.
     - `frac`: `(n,)` the replica fraction $c_j$ in force (set by `refresh` every tick).
+    - `speed`: `(n,)` the service speed $1/s_j$ in force (likewise).
     """
 
     origin: Float[Array, "n slots"]
     count: Int[Array, " n"]
     frac: Float[Array, " n"]
+    speed: Float[Array, " n"]
 
 
 class MarkovCells(AbstractCells):
@@ -37,6 +41,8 @@ class MarkovCells(AbstractCells):
     (`scaled_rate`; theory/evaluation.md §2) at scale $k$, so that the fluid limit still
     holds. $c_j$ is the one of the tick (`refresh`); requests above the shrunk buffer
     $\\lfloor kc_jB_j\\rfloor$ are dropped at the tick's start, as the fluid drops its excess.
+    A service schedule's slowdown $s_j$ divides the rate (the fluid's
+    $c\\mu(N/c)/s$), also at the tick's value.
 
     **Fields:** `service` (the scenario's true service table), `scale` ($k$, a scalar
     array), `slots` (static: requests a cell can hold; more is an overflow).
@@ -51,14 +57,15 @@ class MarkovCells(AbstractCells):
         over = jnp.any(counts > self.slots)
         count = jnp.minimum(counts, self.slots).astype(jnp.int32)
         frac = jnp.ones(n, self.scale.dtype)
-        return MarkovState(jnp.zeros((n, self.slots), dtype), count, frac), over
+        return MarkovState(jnp.zeros((n, self.slots), dtype), count, frac, frac), over
 
-    def refresh(self, state, frac, cap):
+    def refresh(self, state, frac, speed, cap):
         # The last requests of a cell's packed slots leave: the origins are exchangeable
         # for the count process (every present request is equally likely to complete).
         keep = jnp.where(jnp.isfinite(cap), jnp.minimum(state.count, cap), state.count)
         keep = keep.astype(jnp.int32)
-        new = MarkovState(state.origin, keep, frac.astype(state.frac.dtype))
+        dt = state.frac.dtype
+        new = MarkovState(state.origin, keep, frac.astype(dt), speed.astype(dt))
         return new, state.count - keep
 
     def count(self, state):
@@ -69,7 +76,7 @@ class MarkovCells(AbstractCells):
         return self.service.rate(state.count.astype(self.scale.dtype) / (self.scale * state.frac))
 
     def rates(self, state):
-        return self.scale * state.frac * self._fluid_rate(state)
+        return self.scale * state.frac * state.speed * self._fluid_rate(state)
 
     def next_time(self, state):
         return jnp.full(self.service.capacity.shape, jnp.inf, self.scale.dtype)
@@ -86,7 +93,7 @@ class MarkovCells(AbstractCells):
         slot = jnp.where(do, c, self.slots)
         new_origin = state.origin.at[j, slot].set(origin, mode="drop")
         count = state.count.at[j].add(do.astype(jnp.int32))
-        return MarkovState(new_origin, count, state.frac), ok & full
+        return dataclasses.replace(state, origin=new_origin, count=count), ok & full
 
     def complete(self, state, j, u, t, ok):
         c = state.count[j]
@@ -97,4 +104,4 @@ class MarkovCells(AbstractCells):
         leaving, moved = state.origin[j, jnp.stack([r, last])]
         new_origin = state.origin.at[j, jnp.where(do, r, self.slots)].set(moved, mode="drop")
         count = state.count.at[j].add(-do.astype(jnp.int32))
-        return MarkovState(new_origin, count, state.frac), leaving, ok
+        return dataclasses.replace(state, origin=new_origin, count=count), leaving, ok

@@ -614,7 +614,10 @@ def simulate_requests(
       `simulate`): markov cells complete at $kc_j\\mu_j(N/(kc_j))$ and drop requests above
       the buffer $\\lfloor kc_jB_j\\rfloor$; server cells run
       $\\max(1, \\mathrm{round}(c_jS_j))$ of their $S_j$ servers, the others draining the
-      requests they hold (theory/requests.md, *Replica schedules*).
+      requests they hold (theory/requests.md, *Replica schedules*). A service schedule
+      $s_j(t)$ (`Scenario.slowdown_factors`) divides a markov cell's rate by the tick's
+      $s_j$, and multiplies the work of a request admitted to a server cell at $t$ by
+      $s_j(t)$ (*Service schedules*).
     - `policy`: a registered policy name or an `AbstractPolicy` (`ErrorAverse` included).
     - `service`: `"markov"` (default): cell $j$ with $N$ requests completes at rate
       $k\\mu_j(N/k)$, each present request equally likely (`MarkovCells`); `"servers"`:

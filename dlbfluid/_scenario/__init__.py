@@ -13,6 +13,7 @@ from .io import scenario_to_dict as scenario_to_dict
 from .model import Scenario as Scenario
 from .model import ServerCells as ServerCells
 from .model import Workload as Workload
+from .model import piecewise_constant as piecewise_constant
 from .model import proportional_routing as proportional_routing
 from .model import replica_scale as replica_scale
 from .model import weighted_random_routing as weighted_random_routing

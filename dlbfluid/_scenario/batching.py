@@ -31,13 +31,14 @@ def pad_scenario(
     n: int,
     n_breakpoints: int | None = None,
     n_schedule: int | None = None,
+    n_slowdown: int | None = None,
     *,
     laws: tuple[str, ...] | None = None,
     est_laws: tuple[str, ...] | None = None,
     with_servers: bool = False,
 ) -> Scenario:
     """Pad one scenario to `n` cells (`n_breakpoints` arrival breakpoints, `n_schedule`
-    replica-schedule entries); `laws`, `est_laws` widen the service tables of `service`
+    replica-schedule entries, `n_slowdown` service-schedule entries); `laws`, `est_laws` widen the service tables of `service`
     and `estimate` to those laws (for stacking scenarios of different laws);
     `with_servers` gives a scenario without `servers`/`workload` inert ones (no cell has
     servers; a unit workload), so that it stacks with scenarios that have them."""
@@ -72,6 +73,13 @@ def pad_scenario(
         raise ValueError(f"cannot pad {Q} replica-schedule entries to {Qn}")
     rep_t = np.concatenate([rep_t, np.repeat(rep_t[:, -1:], Qn - Q, axis=1)], axis=1)
     rep_k = np.concatenate([rep_k, np.repeat(rep_k[:, -1:], Qn - Q, axis=1)], axis=1)
+    slow_t, slow_s = np.asarray(scn.slowdown_times), np.asarray(scn.slowdown_factors)
+    S = slow_t.shape[-1]
+    Sn = S if n_slowdown is None else n_slowdown
+    if Sn < S:
+        raise ValueError(f"cannot pad {S} service-schedule entries to {Sn}")
+    slow_t = np.concatenate([slow_t, np.repeat(slow_t[:, -1:], Sn - S, axis=1)], axis=1)
+    slow_s = np.concatenate([slow_s, np.repeat(slow_s[:, -1:], Sn - S, axis=1)], axis=1)
 
     def service(sv: ServiceModel, laws) -> ServiceModel:
         # Padded cells follow the table's first law at its default parameters: they never
@@ -110,6 +118,8 @@ def pad_scenario(
         buffer=to_device(cells(scn.buffer, np.inf)),
         replica_times=to_device(cells(rep_t, 0.0)),
         replica_counts=to_device(cells(rep_k, 1.0)),
+        slowdown_times=to_device(cells(slow_t, 0.0)),
+        slowdown_factors=to_device(cells(slow_s, 1.0)),
         latency=to_device(square(scn.latency, 0.0)),
         allowed=to_device(square(scn.allowed, False)),
         cell_mask=to_device(cells(scn.cell_mask, False)),
@@ -137,11 +147,12 @@ def stack_scenarios(
     n = max(s.n_cells for s in scenarios) if n_cells is None else n_cells
     P = max(s.arrival_times.shape[-1] for s in scenarios)
     Q = max(s.replica_times.shape[-1] for s in scenarios)
+    S = max(s.slowdown_times.shape[-1] for s in scenarios)
     svc = tuple(dict.fromkeys([*laws, *(m for s in scenarios for m in s.service.laws)]))
     est = tuple(dict.fromkeys([*laws, *(m for s in scenarios for m in s.estimate.laws)]))
     with_servers = any(s.servers is not None or s.workload is not None for s in scenarios)
     padded = [
-        pad_scenario(s, n, P, Q, laws=svc, est_laws=est, with_servers=with_servers).strip()
+        pad_scenario(s, n, P, Q, S, laws=svc, est_laws=est, with_servers=with_servers).strip()
         for s in scenarios
     ]
     leaves = [eqx.filter(p, eqx.is_array) for p in padded]

@@ -37,6 +37,13 @@ def default_scenario() -> Scenario:
     return scenario_from_dict(json.loads(text))
 
 
+def _schedule(times, values, key: str) -> dict:
+    """A piecewise-constant schedule as the file writes it: of the entries that share a time
+    (padding, or a one-entry schedule stored twice) the last, the one in force, is kept."""
+    keep = np.append(times[1:] > times[:-1], True)
+    return {"times": times[keep].tolist(), key: values[keep].tolist()}
+
+
 def scenario_to_dict(scn: Scenario) -> dict:
     """Inverse of `scenario_from_dict` for one unpadded scenario (profiles as breakpoints)."""
     mask = np.asarray(scn.cell_mask)
@@ -65,7 +72,10 @@ def scenario_to_dict(scn: Scenario) -> dict:
         rt = np.asarray(scn.replica_times[j])
         rk = np.asarray(scn.replica_counts[j])
         if np.any(rk != float(scn.replicas[j])):
-            cell["replica_schedule"] = {"times": rt.tolist(), "replicas": rk.tolist()}
+            cell["replica_schedule"] = _schedule(rt, rk, "replicas")
+        st, sf = np.asarray(scn.slowdown_times[j]), np.asarray(scn.slowdown_factors[j])
+        if np.any(sf != 1.0):
+            cell["service_schedule"] = _schedule(st, sf, "factors")
         sv = scn.servers
         if sv is not None and bool(sv.mask[j]):
             cell["servers"] = {

@@ -84,6 +84,11 @@ class Scenario(eqx.Module):
       `replica_times[j, q+1]` (capacity outages). The cell's processing rate scales as
       $c\\,\\mu_j(N/c)$ with $c = k_j(t)/k_j$ (theory/evaluation.md, *Replicas*). Default: the
       constant `replicas`.
+    - `slowdown_times`, `slowdown_factors`: `(n, S)` piecewise-constant service slowdown
+      $s_j(t) \\ge 1$ = `slowdown_factors[j, q]` from `slowdown_times[j, q]` on (a cell's
+      `service_schedule`): the cell's service times are multiplied, and its processing
+      rate divided, by $s_j(t)$, so that it processes $c\\,\\mu_j(N/c)/s_j$
+      (theory/evaluation.md, *Service schedules*). Default: 1 (no slowdown).
     - `estimate`: the `ServiceModel` the routers believe (latency and gradient costs are
       evaluated with it; seed §3.3, §5.4). Default: `service` itself.
     - `servers`: the App.-B server model of the cells (`ServerCells`), or None (no cell
@@ -108,6 +113,8 @@ class Scenario(eqx.Module):
     replica_times: Float[Array, "n Q"] = None  # type: ignore[assignment]
     replica_counts: Float[Array, "n Q"] = None  # type: ignore[assignment]
     estimate: ServiceModel = None  # type: ignore[assignment]
+    slowdown_times: Float[Array, "n S"] = None  # type: ignore[assignment]
+    slowdown_factors: Float[Array, "n S"] = None  # type: ignore[assignment]
     servers: ServerCells | None = None
     workload: Workload | None = None
 
@@ -121,6 +128,10 @@ class Scenario(eqx.Module):
             self.replica_counts = k[..., None]
         if self.estimate is None:
             self.estimate = self.service
+        if self.slowdown_times is None:
+            self.slowdown_times = jnp.zeros(k.shape + (1,), dtype=jnp.result_type(float))
+        if self.slowdown_factors is None:
+            self.slowdown_factors = jnp.ones(k.shape + (1,), dtype=jnp.result_type(float))
 
     @property
     def n_cells(self) -> int:
@@ -140,15 +151,18 @@ class Scenario(eqx.Module):
         return dataclasses.replace(self, name="", cell_names=())
 
 
-def replica_scale(times, counts, replicas, t):
-    """$c_j(t) = k_j(t)/k_j$ from a piecewise-constant schedule (one cell; `t` any shape).
-
-    The count `counts[q]` holds on `[times[q], times[q+1])`; before `times[0]` the first
-    count applies.
-    """
+def piecewise_constant(times, values, t):
+    """A piecewise-constant schedule of one cell at times `t` (any shape): `values[q]`
+    holds on `[times[q], times[q+1])`; before `times[0]` the first value applies."""
     t = jnp.asarray(t)
     idx = jnp.clip(jnp.sum(lead(times, t.ndim + 1) <= t[..., None], axis=-1) - 1, 0, None)
-    return counts[idx] / replicas
+    return values[idx]
+
+
+def replica_scale(times, counts, replicas, t):
+    """$c_j(t) = k_j(t)/k_j$ from a piecewise-constant schedule (one cell; `t` any shape;
+    `piecewise_constant`)."""
+    return piecewise_constant(times, counts, t) / replicas
 
 
 def _interp_rows(times, rates, t):

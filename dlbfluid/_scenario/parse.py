@@ -44,6 +44,7 @@ _CELL_KEYS = (
     "estimated_service",
     "buffer",
     "replica_schedule",
+    "service_schedule",
     "servers",
 )
 
@@ -189,32 +190,71 @@ def _parse_workload(value: Any) -> Workload:
     return Workload(*(to_device(np.asarray(v, dtype=float)) for v in (*p, *o)))
 
 
+SLOWDOWN_MAX = 1e6
+"""Largest factor of a `service_schedule` (a cell a million times slower is stopped; a
+larger number is a unit mistake)."""
+
+
+def _parse_schedule(field: str, value: Any, key: str, check) -> tuple[list, list]:
+    """`{"times": [...], key: [...]}`: a piecewise-constant schedule, `value[key][q]` from
+    `times[q]` on; `check(field, v)` validates and returns each value. A one-entry schedule
+    is stored twice over (a second breakpoint at the same time), so that a scenario with a
+    schedule has at least two columns: the simulators test the width, not the values, to
+    know whether the routers must observe it."""
+    if not isinstance(value, dict) or set(value) != {"times", key}:
+        raise _err(field, value, f"expected an object with exactly the keys 'times' and '{key}'")
+    times, vals = value["times"], value[key]
+    if not isinstance(times, list) or not isinstance(vals, list) or not times:
+        raise _err(field, value, f"expected non-empty lists 'times' and '{key}'")
+    if len(times) != len(vals):
+        raise _err(field, value, f"'times' has {len(times)} entries, '{key}' {len(vals)}")
+    ts = [_number(f"{field}.times[{q}]", t) for q, t in enumerate(times)]
+    vs = [check(f"{field}.{key}[{q}]", v) for q, v in enumerate(vals)]
+    if any(b <= a for a, b in zip(ts, ts[1:])):
+        raise _err(
+            f"{field}.times",
+            times,
+            f"times must be strictly increasing ({key}[q] holds from times[q] to times[q+1])",
+        )
+    if len(ts) == 1:
+        ts, vs = ts * 2, vs * 2
+    return ts, vs
+
+
 def _parse_replica_schedule(field: str, cell: dict, k: float) -> tuple[list, list]:
     """`{"times": [...], "replicas": [...]}`: piecewise-constant replica count (outages)."""
     value = cell.get("replica_schedule")
     if value is None:
         return [0.0], [k]
-    if not isinstance(value, dict) or set(value) != {"times", "replicas"}:
-        raise _err(field, value, "expected an object with exactly the keys 'times' and 'replicas'")
-    times, counts = value["times"], value["replicas"]
-    if not isinstance(times, list) or not isinstance(counts, list) or not times:
-        raise _err(field, value, "expected non-empty lists 'times' and 'replicas'")
-    if len(times) != len(counts):
-        raise _err(field, value, f"'times' has {len(times)} entries, 'replicas' {len(counts)}")
-    ts = [_number(f"{field}.times[{q}]", t) for q, t in enumerate(times)]
-    ks = [_number(f"{field}.replicas[{q}]", c, lo=0.0, lo_open=True) for q, c in enumerate(counts)]
-    for q, c in enumerate(ks):
+
+    def count(f, c):
+        c = _number(f, c, lo=0.0, lo_open=True)
         if c > REPLICAS_MAX:
-            raise _err(
-                f"{field}.replicas[{q}]", counts[q], f"expected a number in (0, {REPLICAS_MAX}]"
-            )
-    if any(b <= a for a, b in zip(ts, ts[1:])):
-        raise _err(
-            f"{field}.times",
-            times,
-            "times must be strictly increasing (replicas[q] holds from times[q] to times[q+1])",
+            raise _err(f, c, f"expected a number in (0, {REPLICAS_MAX}]")
+        return c
+
+    return _parse_schedule(field, value, "replicas", count)
+
+
+def _parse_service_schedule(field: str, cell: dict) -> tuple[list, list]:
+    """`{"times": [...], "factors": [...]}`: piecewise-constant service slowdown $s_j(t)$
+    (service times multiplied, capacity divided, by the factor)."""
+    value = cell.get("service_schedule")
+    if value is None:
+        return [0.0], [1.0]
+
+    def factor(f, v):
+        return _number(
+            f,
+            v,
+            lo=1.0,
+            hi=SLOWDOWN_MAX,
+            allowed=f"expected a slowdown factor in [1, {SLOWDOWN_MAX:g}] (service times "
+            "are multiplied by it; a cell that is faster at times takes its fastest service "
+            "and is slowed at the others)",
         )
-    return ts, ks
+
+    return _parse_schedule(field, value, "factors", factor)
 
 
 @dataclasses.dataclass
@@ -228,6 +268,7 @@ class _Cells:
     estimates: list[tuple[str, dict[str, float]]] = dataclasses.field(default_factory=list)
     buffers: list[float] = dataclasses.field(default_factory=list)
     schedules: list[tuple[list, list]] = dataclasses.field(default_factory=list)
+    slowdowns: list[tuple[list, list]] = dataclasses.field(default_factory=list)
     servers: list[tuple | None] = dataclasses.field(default_factory=list)
 
 
@@ -287,6 +328,7 @@ def _parse_cell(out: _Cells, j: int, cell: Any) -> None:
         else math.inf
     )
     out.schedules.append(_parse_replica_schedule(f"{f}.replica_schedule", cell, float(k)))
+    out.slowdowns.append(_parse_service_schedule(f"{f}.service_schedule", cell))
     if "servers" in cell:
         out.servers.append(_parse_servers(f"{f}.servers", cell["servers"], float(k)))
     else:
@@ -372,7 +414,8 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
 
     **Arguments:**
     - `data`: `{"name", "cells": [{"name", "arrival_rate", "replicas", "service",
-      "estimated_service"?, "buffer"?, "replica_schedule"?}], "latency": [[tau or null]],
+      "estimated_service"?, "buffer"?, "replica_schedule"?,
+      "service_schedule"?, "servers"?}], "latency": [[tau or null]],
       "initial": {"workload", "routing"}}` (docs/scenarios.md).
     - `allow_overload`: skip the Assumption-2 capacity check (simulate overload on purpose).
 
@@ -422,6 +465,8 @@ def scenario_from_dict(data: dict, *, allow_overload: bool = False) -> Scenario:
         buffer=to_device(np.array(cells.buffers)),
         replica_times=to_device(_padded_rows([s[0] for s in cells.schedules])),
         replica_counts=to_device(_padded_rows([s[1] for s in cells.schedules])),
+        slowdown_times=to_device(_padded_rows([s[0] for s in cells.slowdowns])),
+        slowdown_factors=to_device(_padded_rows([s[1] for s in cells.slowdowns])),
         estimate=service_from_cells(cells.estimates),
         servers=_server_cells(cells.servers) if with_servers else None,
         workload=workload,

@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int
 
 from .._integrators.base import arc_integrals
 from .._policies import AbstractPolicy, Observation, TickSetup
-from .._policies.base import replica_fractions, tree_select
+from .._policies.base import observed_slowdown, replica_fractions, slowdown_factors, tree_select
 from .._results import RESULTS
 from .window import ArrivalWindow, _arrival_window
 
@@ -186,9 +186,10 @@ def _tick(
     back = jnp.arange(2, dtype=m.dtype)[:, None, None]
     xprev, xcur = state.x_ring[(k - m[None] - back) & wrap, I[None], J[None]][::-1]
     x_k = state.x
-    # Replica changes take effect on the tick whose midpoint has passed them.
+    # Replica and service changes take effect on the tick whose midpoint has passed them.
     c = replica_fractions(loc, 0.5 * h)
-    out = integrator.tick(loc, setup, zero, state.N, xprev, xcur, c)
+    speed = 1.0 / slowdown_factors(loc, 0.5 * h)
+    out = integrator.tick(loc, setup, zero, state.N, xprev, xcur, c, speed)
     lam_tick = arc_integrals(loc, jnp.zeros((n, 1), dtype), jnp.full((n, 1), h))[:, 0]
     d_net = jnp.sum(2.0 * tau * x_k * lam_tick[:, None])
     # Router update at t_{k+1} from N_j(t_{k+1} - tau_ij) = the observation of tick k - m_ij:
@@ -202,6 +203,7 @@ def _tick(
         t=t_next,
         workload=obs_ring[(k - m) & wrap, I, J],
         scale=replica_fractions(loc, h - tau) if full.replica_times.shape[-1] > 1 else None,
+        slowdown=observed_slowdown(loc, h - tau),
         drops=out.drops,
         arrivals=out.arrivals,
     )

@@ -25,13 +25,14 @@ __all__ = ["ArrivalWindow"]
 
 
 class ArrivalWindow(eqx.Module):
-    """The arrival and replica profiles as tick $k$ of one scenario needs them, in time
+    """The arrival, replica and service profiles as tick $k$ of one scenario needs them, in time
     relative to $t_k$ (theory/discretisation.md, *One arrival window*).
 
     **Fields:**
     - `times`, `rates`: `(n, W)` the `W` breakpoints of each arrival profile from the last
       one at or before $t_k - \\bar\\tau$ on (all of them when the profile has at most `W`).
     - `replica_times`: `(n, R)` the replica schedules' breakpoints.
+    - `slowdown_times`: `(n, S)` the service schedules' breakpoints.
     - `found`: `(n,)` how many breakpoints of each profile lie at or before
       $t_k - \\bar\\tau$ (the next tick's search starts there).
 
@@ -44,16 +45,18 @@ class ArrivalWindow(eqx.Module):
     times: Float[Array, "n W"]
     rates: Float[Array, "n W"]
     replica_times: Float[Array, "n R"]
+    slowdown_times: Float[Array, "n S"]
     found: Int[Array, " n"]
 
     def local(self, scn):
-        """`scn` with its arrival and replica profiles replaced by this window: the
+        """`scn` with its arrival, replica and service profiles replaced by this window: the
         scenario in time relative to $t_k$, as a tick or a record at tick $k$ reads it."""
         return dataclasses.replace(
             scn,
             arrival_times=self.times,
             arrival_rates=self.rates,
             replica_times=self.replica_times,
+            slowdown_times=self.slowdown_times,
         )
 
 
@@ -67,7 +70,10 @@ def _local(scn, t0):
         return (ts.astype(jnp.float64) - t0).astype(dtype)
 
     return dataclasses.replace(
-        scn, arrival_times=shift(scn.arrival_times), replica_times=shift(scn.replica_times)
+        scn,
+        arrival_times=shift(scn.arrival_times),
+        replica_times=shift(scn.replica_times),
+        slowdown_times=shift(scn.slowdown_times),
     )
 
 
@@ -110,7 +116,7 @@ def _arrival_window(full, setup: TickSetup, k, width: int, found=None) -> Arriva
             found = found + jnp.sum(passed, axis=-1, dtype=jnp.int32)
         ts, rs = _cut(ts, rs, found, width)
     loc = _local(dataclasses.replace(full, arrival_times=ts, arrival_rates=rs), tk64)
-    return ArrivalWindow(loc.arrival_times, rs, loc.replica_times, found)
+    return ArrivalWindow(loc.arrival_times, rs, loc.replica_times, loc.slowdown_times, found)
 
 
 def _window_width(times: np.ndarray, span: float, rates: np.ndarray | None = None) -> int:
