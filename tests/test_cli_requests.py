@@ -299,6 +299,13 @@ def test_experiment_request_options_are_checked_first(tmp_path, capsys):
         (["--model", "requests", "--service", "fifo"], "--service = 'fifo' is invalid"),
         (["--service", "servers"], "--service = 'servers' is invalid with --model fluid"),
         (["--model", "request"], "--model = 'request' is invalid: allowed fluid, requests"),
+        (["--scale", "2"], "--scale = '2' is invalid with --model fluid"),
+        (["--model", "requests", "--scale", "0"], "--scale"),
+        (["--model", "requests", "--probe-smoothing", "-1"], "--probe-smoothing"),
+        (["--model", "requests", "--leaf", "pod"], "--leaf = 'pod' is invalid with --service"),
+        (["--model", "requests", "--service", "servers", "--leaf", "pod", "--pod-d", "0"],
+         "--pod-d"),
+        (["--model", "requests", "--pod-d", "3"], "--pod-d = '3' is invalid without --leaf"),
     ]:
         rc, cap = _run(capsys, ["experiment", *EXP, *extra, "--out", str(tmp_path / "x")])
         assert rc == 2 and message in cap.err and "usage:" not in cap.err
@@ -324,3 +331,44 @@ def test_simulate_requests_passes_progress_as_the_fluid_run_does(files, monkeypa
         assert main(["simulate", str(files["b50"]), *argv, "--json"]) == 2  # (the stub's error)
         assert "error: stub" in capsys.readouterr().err
     assert seen == [True, False, False]
+
+
+def test_experiment_passes_the_twins_options_and_fingerprints_them(monkeypatch):
+    """`--scale`, `--probe-smoothing`, `--leaf`/`--pod-d` reach `simulate_requests` (a
+    stub records its arguments) and the directory's fingerprint, where they differ from
+    their defaults only (older request-level directories keep resuming)."""
+    import argparse
+
+    from dlbfluid._cli._experiment import _config
+    from dlbfluid._evaluation import experiment as ex
+
+    args = argparse.Namespace(
+        kind="baseline", scenarios=1, trials=1, seed=0, horizon=1.0, tick=0.005,
+        step_rule="paper", step_fraction=0.3, policies=["rand"], variants=None,
+        no_error_aversion=False, mnlb_error_aversion=False, model="requests",
+        service="servers", scale="4", probe_smoothing="0.2", leaf="pod", pod_d="3")  # fmt: skip
+    cfg = _config(args)
+    assert (cfg.scale, cfg.probe_smoothing, cfg.leaf, cfg.pod_d) == (4, 0.2, "pod", 3)
+    fp = cfg.to_json()
+    assert (fp["scale"], fp["probe_smoothing"], fp["leaf"], fp["pod_d"]) == (4, 0.2, "pod", 3)
+    plain = ex.ExperimentConfig("baseline", model="requests").to_json()
+    assert not {"scale", "probe_smoothing", "leaf", "pod_d"} & set(plain)
+
+    seen = {}
+
+    class Stub:
+        served = np.ones((1, 1))
+        latency_sum = np.ones((1, 1))
+        percentile = staticmethod(lambda q: np.full((1, 1), 2.0))
+        error_rate = staticmethod(lambda: np.zeros((1, 1)))
+        status_names = staticmethod(lambda: np.array([["success"]]))
+
+    def stub(batch, policy, **kw):
+        seen.update(kw)
+        return Stub()
+
+    monkeypatch.setattr(ex, "simulate_requests", stub)
+    lat, p90, err, status = ex._simulate_requests_unit(cfg, None, "rand", None, None, 0.005)
+    assert (lat[0], p90[0], status[0]) == (1.0, 2.0, "success")
+    assert seen["scale"] == 4 and seen["probe_smoothing"] == 0.2
+    assert seen["leaf"].name == "pod" and seen["leaf"].d == 3

@@ -135,6 +135,14 @@ def test_bad_configs_name_the_field():
         ex.ExperimentConfig("baseline", horizon=1.03, tick=0.05)
     with pytest.raises(ValueError, match="scenarios = 0"):
         ex.ExperimentConfig("baseline", scenarios=0)
+    with pytest.raises(ValueError, match="scale = 2 is invalid with model = 'fluid'"):
+        ex.ExperimentConfig("baseline", scale=2)
+    with pytest.raises(ValueError, match="leaf = 'pod' is invalid with service = 'markov'"):
+        ex.ExperimentConfig("baseline", model="requests", leaf="pod")
+    with pytest.raises(ValueError, match="leaf = 'podd' is invalid: allowed rules"):
+        ex.ExperimentConfig("baseline", model="requests", service="servers", leaf="podd")
+    with pytest.raises(ValueError, match="probe_smoothing = -1"):
+        ex.ExperimentConfig("baseline", model="requests", probe_smoothing=-1)
 
 
 def test_cli_json_contract(first_run, capsys):

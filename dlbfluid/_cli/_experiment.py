@@ -147,6 +147,33 @@ def _add_model_flags(p) -> None:
         "whose fluid limit is the fluid model) or servers (the App.-B prefill/decode servers "
         "the generator writes)",
     )
+    p.add_argument(
+        "--scale",
+        default=None,
+        metavar="K",
+        help="with --model requests, an integer >= 1: the twin's arrival rates, replicas and "
+        "buffers times K, so that the probed counts' noise shrinks as K^-1/2 (default 1)",
+    )
+    p.add_argument(
+        "--probe-smoothing",
+        default=None,
+        metavar="T",
+        help="with --model requests, a time constant T >= 0 (s): the routers see the probed "
+        "counts through an exponential filter of time constant T (default 0: raw probes)",
+    )
+    p.add_argument(
+        "--leaf",
+        default=None,
+        metavar="jsq|pod",
+        help="with --model requests --service servers: the server a request joins in its "
+        "cell, jsq (default) or pod (power-of-d choices on the tokens waiting)",
+    )
+    p.add_argument(
+        "--pod-d",
+        default=None,
+        metavar="D",
+        help="with --leaf pod, an integer >= 1: the servers drawn per request (default 2)",
+    )
 
 
 def _config(args):
@@ -163,6 +190,7 @@ def _config(args):
             "request-level cells (--model requests)"
         )
 
+    twin = _twin_options(args)
     pols = list(args.policies)
     if "rand" not in pols:
         raise ValueError(
@@ -188,9 +216,38 @@ def _config(args):
             mnlb_error_aversion=args.mnlb_error_aversion,
             model=args.model,
             service=args.service or "markov",
+            **twin,
         )
     except ValueError as e:
         raise relabel(e, EXPERIMENT) from None
+
+
+def _twin_options(args) -> dict:
+    """`--scale`, `--probe-smoothing`, `--leaf` and `--pod-d` checked (one-line refusals,
+    `dlbfluid simulate`'s wording) as `ExperimentConfig` fields; each needs
+    `--model requests`."""
+    from ._simulate import _smoothing, _whole, leaf_option
+
+    given = {
+        f: getattr(args, f)
+        for f in ("scale", "probe_smoothing", "leaf", "pod_d")
+        if getattr(args, f) is not None
+    }
+    if given and args.model != "requests":
+        f = next(iter(given))
+        raise ValueError(
+            f"{EXPERIMENT[f]} = {given[f]!r} is invalid with --model {args.model}: it sets the "
+            "request-level twin (--model requests)"
+        )
+    out: dict = {}
+    if args.scale is not None:
+        out["scale"] = _whole("--scale", args.scale, 1)
+    if args.probe_smoothing is not None:
+        out["probe_smoothing"] = _smoothing(args.probe_smoothing)
+    leaf = leaf_option(args, args.service or "markov")
+    if leaf.name != "jsq":
+        out["leaf"], out["pod_d"] = leaf.name, leaf.d
+    return out
 
 
 def run(args) -> int:

@@ -45,6 +45,10 @@ EXPERIMENT = {
     "mnlb_error_aversion": "--mnlb-error-aversion",
     "model": "--model",
     "service": "--service",
+    "scale": "--scale",
+    "probe_smoothing": "--probe-smoothing",
+    "leaf": "--leaf",
+    "pod_d": "--pod-d",
 }
 """`ExperimentConfig`'s fields (and its manifest's) and the options of `dlbfluid experiment`."""
 

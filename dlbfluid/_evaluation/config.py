@@ -47,6 +47,8 @@ MODELS = ("fluid", "requests")
 (`simulate_requests`) beside it on the same scenarios and step sizes."""
 SERVICES = ("markov", "servers")
 """The request-level cell kinds (`simulate_requests(service=...)`)."""
+LEAVES = ("jsq", "pod")
+"""The leaf rules of `servers` cells (`dlbfluid._requests._leaf.LEAF_RULES`)."""
 REQUEST_KINDS = KINDS
 """The kinds the request-level twin runs: all of them (`simulate_requests` follows the
 outage's replica schedule)."""
@@ -105,7 +107,11 @@ class ExperimentConfig:
     cap), `fluctuation` (trial noise $\\sigma$), `utilisation` (of the base scenarios),
     `model` (`MODELS`: `"fluid"`, or `"requests"`: every unit is also simulated request by
     request, one request-level run per scenario and trial, seeded by `seed`) and `service`
-    (`SERVICES`, the request-level cells; `"markov"` for the fluid model).
+    (`SERVICES`, the request-level cells; `"markov"` for the fluid model), and, for a
+    request-level run only: `scale` (the twin's $k$: rates, replicas and buffers times $k$,
+    probe noise about $k^{-1/2}$ of the fluid's counts), `probe_smoothing` (the routers'
+    filter time constant in s, 0 for the raw probes), `leaf` and `pod_d` (the `servers`
+    cells' leaf rule, `"jsq"` or `"pod"` with its $d$).
 
     `to_json` (the directory's fingerprint) leaves `model` and `service` out for a fluid
     run, so that a fluid experiment's configuration is the one recorded before the
@@ -113,7 +119,9 @@ class ExperimentConfig:
     request-level run (which therefore never resumes into a fluid run's directory, nor into
     one of another service). It leaves `variants` out when it is `None` (every variant), so
     that the directories recorded before the option existed keep resuming, and a run of a
-    subset never resumes into one of another subset or of all.
+    subset never resumes into one of another subset or of all. `scale`, `probe_smoothing`,
+    `leaf` and `pod_d` enter it only where they differ from their defaults, for the same
+    reason.
     """
 
     experiment: str
@@ -134,6 +142,10 @@ class ExperimentConfig:
     utilisation: float = 0.8
     model: str = "fluid"
     service: str = "markov"
+    scale: int = 1
+    probe_smoothing: float = 0.0
+    leaf: str = "jsq"
+    pod_d: int = 2
 
     def __post_init__(self):
         vs = variants(self.experiment)
@@ -184,6 +196,23 @@ class ExperimentConfig:
                 f"service = {self.service!r} is invalid with model = 'fluid': the service kind "
                 "is the request-level cells' (model 'requests')"
             )
+        object.__setattr__(self, "scale", integer("scale", self.scale, 1))
+        number("probe_smoothing", self.probe_smoothing, lo=0.0)
+        if self.leaf not in LEAVES:
+            raise ValueError(f"leaf = {self.leaf!r} is invalid: allowed rules are {list(LEAVES)}")
+        object.__setattr__(self, "pod_d", integer("pod_d", self.pod_d, 1))
+        twin = {f: getattr(self, f) for f, v in _TWIN_DEFAULTS.items() if getattr(self, f) != v}
+        if self.model == "fluid" and twin:
+            name = next(iter(twin))
+            raise ValueError(
+                f"{name} = {twin[name]!r} is invalid with model = 'fluid': it sets the "
+                "request-level twin (model 'requests')"
+            )
+        if self.leaf != "jsq" and self.service != "servers":
+            raise ValueError(
+                f"leaf = {self.leaf!r} is invalid with service = {self.service!r}: leaf rules "
+                "choose among a cell's servers (service 'servers')"
+            )
         if self.model == "requests" and self.experiment not in REQUEST_KINDS:
             raise ValueError(
                 f"model = 'requests' is invalid for experiment = {self.experiment!r}: "
@@ -219,7 +248,16 @@ class ExperimentConfig:
             d["variants"] = list(self.variants)
         if self.model == "fluid":
             del d["model"], d["service"]  # (the fingerprint of a fluid run, unchanged)
+        for f, v in _TWIN_DEFAULTS.items():
+            if d[f] == v:
+                del d[f]  # (the fingerprint recorded before the option)
+        if self.leaf != "pod":
+            d.pop("pod_d", None)
         return d
+
+
+_TWIN_DEFAULTS = {"scale": 1, "probe_smoothing": 0.0, "leaf": "jsq", "pod_d": 2}
+"""The request-level options of `ExperimentConfig` and their defaults."""
 
 
 def _chosen_variants(kind: str, vs: list[tuple[str, dict]], chosen) -> tuple[str, ...]:

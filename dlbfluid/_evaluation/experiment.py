@@ -38,6 +38,7 @@ from .._policies import MNLB, ErrorAverse, FlowRouting, policy_from_name
 from .._policies.aversion import ErrorAversion
 from .._precision import require_x64
 from .._requests import simulate_requests
+from .._requests._leaf import PowerOfD
 from .._runtime import CsvRows, Sweep
 from .._runtime.distributed import Processes
 from .._runtime.manifest import MANIFEST, open_manifest, resume_note
@@ -577,6 +578,9 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick):
         batch,
         looped,
         service=cfg.service,
+        scale=cfg.scale,
+        probe_smoothing=cfg.probe_smoothing,
+        leaf=PowerOfD(cfg.pod_d) if cfg.leaf == "pod" else "jsq",
         seed=cfg.seed,
         step_size=eta,
         tick=tick,
