@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -88,21 +89,27 @@ def test_fluid_follows_the_slowdown_against_scipy():
     assert N[100] == pytest.approx(2.0 / 3.0, rel=1e-6)
 
 
-@pytest.mark.parametrize("policy", ["flow-grad", "mnlb"])
-def test_constant_slowdown_is_a_slower_cell(policy):
+def test_constant_slowdown_is_a_slower_cell():
     # mm1's rate is proportional to its capacity, so a cell slowed by s for all time is
-    # the cell of capacity mu_bar/s, for the cells and for the routers (latency, gradient
-    # and MNLB's capacities all scale; RIF does not see it either way).
+    # the cell of capacity mu_bar/s, for the cells and for the routers (latency and
+    # gradient costs both scale; RIF does not see it either way).
     # (one batch, one compilation: the nominal cell is given a schedule of factor 1)
     batch = dl.stack_scenarios([dl.scenario_from_dict(two_cells(slow=2.5)),
                                 dl.scenario_from_dict(two_cells(mu_b=4.0)),
                                 dl.scenario_from_dict(two_cells(slow=1.0))])
-    sol = dl.simulate(batch, policy, tick=H, horizon=10.0, n_save=20)
+    sol = dl.simulate(batch, "flow-grad", tick=H, horizon=10.0, n_save=20)
     N, x = np.asarray(sol.N), np.asarray(sol.x)
     np.testing.assert_allclose(N[0], N[1], rtol=1e-11, atol=1e-12)
     np.testing.assert_allclose(x[0], x[1], rtol=1e-11, atol=1e-12)
     # Negative control: the nominal cell routes differently.
     assert float(np.max(np.abs(x[2] - x[1]))) > 1e-2
+    # MNLB's schedule of weights: its capacities are divided by the slowdown (the same
+    # weights as the smaller cell's, not the nominal one's).
+    mnlb = dl.MNLB()
+    weights = jax.jit(jax.vmap(lambda s: mnlb.prepare(s, None, 30.0)))
+    w = np.asarray(weights(batch))
+    np.testing.assert_allclose(w[0], w[1], rtol=1e-9, atol=1e-12)
+    assert float(np.max(np.abs(w[2] - w[1]))) > 1e-2
 
 
 def test_route_costs_scale_with_the_observed_slowdown():
@@ -136,16 +143,19 @@ def test_clock_advances_across_breakpoints():
     # Speed 1 before t = 10, 1/4 from 10 to 30, 1 again after: work 2 started at 9 does 1
     # by 10 and the rest at 1/4, ending at 14; work 6 started at 9 ends at 9 + 1 + 4*5 = 30;
     # work 7 ends at 31; a start inside the slow span at 12 with work 1 ends at 16.
-    clock = ServiceClock.of(jnp.array([0.0, 10.0, 30.0]), jnp.array([1.0, 4.0, 1.0]),
-                            jnp.float64)
-    starts = jnp.array([9.0, 9.0, 9.0, 12.0, -3.0])
-    work = jnp.array([2.0, 6.0, 7.0, 1.0, 1.0])
-    np.testing.assert_allclose(np.asarray(clock.advance(starts, work)),
-                               [14.0, 30.0, 31.0, 16.0, -2.0], rtol=1e-14)
+    @jax.jit
+    def run(starts, work, t):
+        clock = ServiceClock.of(jnp.array([0.0, 10.0, 30.0]), jnp.array([1.0, 4.0, 1.0]),
+                                jnp.float64)
+        return (clock.advance(starts, work), clock.inverse(clock.forward(t)),
+                clock.forward(jnp.array(jnp.inf)))
+
     t = jnp.linspace(-5.0, 50.0, 111)
-    np.testing.assert_allclose(np.asarray(clock.inverse(clock.forward(t))), np.asarray(t),
-                               atol=1e-12)
-    assert float(clock.forward(jnp.array(jnp.inf))) == np.inf
+    ends, back, inf = run(jnp.array([9.0, 9.0, 9.0, 12.0, -3.0]),
+                          jnp.array([2.0, 6.0, 7.0, 1.0, 1.0]), t)
+    np.testing.assert_allclose(np.asarray(ends), [14.0, 30.0, 31.0, 16.0, -2.0], rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(back), np.asarray(t), atol=1e-12)
+    assert float(inf) == np.inf
 
 
 def test_serve_with_a_clock():
@@ -163,15 +173,15 @@ def test_serve_with_a_clock():
     assert float(serve(row, jnp.array(9.0), jnp.array(1.0), jnp.array(2.0), 1)[1]) == 14.0
 
 
-@pytest.mark.parametrize("service", ["markov", "servers"])
-def test_twin_constant_slowdown_is_a_slower_cell(service):
-    # The same identity request by request: the same draws give the same requests, whose
-    # service takes s times as long (servers) or whose completions come at rate/s (markov).
+def test_twin_constant_slowdown_is_a_slower_cell():
+    # The same identity request by request in FIFO servers: the same draws give the same
+    # requests, whose service takes s times as long (the clock at constant speed 1/s).
+    # (Markov cells divide their rate by s: test_twin_follows_the_slowdown_and_recovers.)
     # (the same seed: two calls of one compiled program, the smaller cell given a schedule
     # of factor 1 so that the shapes agree)
     slowed = dl.scenario_from_dict(two_cells(slow=2.5))
     smaller = dl.scenario_from_dict(two_cells(mu_b=4.0, slow=1.0))
-    kw = dict(service=service, scale=2, trials=2, horizon=4.0, n_save=4, tick=H)
+    kw = dict(service="servers", scale=2, trials=2, horizon=4.0, n_save=4, tick=H)
     a = dl.simulate_requests(slowed, "flow-lat", **kw)
     b = dl.simulate_requests(smaller, "flow-lat", **kw)
     assert int(np.sum(a.served)) > 50

@@ -18,7 +18,7 @@ class MNLB(AbstractPolicy):
     At the update time $t_p = pT_u$ it uses the arrival rates measured over the last
     period, $\\bar\\lambda_i = T_u^{-1}\\int_{t_p-T_u}^{t_p}\\lambda_i$ (the rates are
     extrapolated as constant before $t=0$), and the cells' capacities at $t_p$ (MNLB is
-    capacity-aware: it sees an outage at its next update), and solves the linear program
+    capacity-aware: it sees an outage or a service slowdown at its next update), and solves the linear program
     of `dlbfluid._policies.mnlb_weights.mnlb_weights` (theory/mnlb.md). It does not use the latency models,
     so it is immune to estimation noise.
     """
