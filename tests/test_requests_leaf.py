@@ -28,13 +28,14 @@ TOKENS = jnp.array([40.0, 12.0, 12.0, 30.0, 55.0, 0.0])
 VALID = jnp.array([True, True, True, True, True, False])  # the last server is not running
 
 
-def _choices(leaf, n_keys=4000):
-    keys = jr.split(jr.PRNGKey(7), n_keys)
-    return np.asarray(jax.jit(jax.vmap(lambda k: leaf.choose(k, COUNT, TOKENS, VALID)))(keys))
+def _choices(leaf, n_draws=4000):
+    # (each admission's `leaf.draws` uniforms, as the engine's table holds them)
+    u = jr.uniform(jr.PRNGKey(7), (n_draws, max(leaf.draws, 1)), jnp.float64)
+    return np.asarray(jax.jit(jax.vmap(lambda v: leaf.choose(v, COUNT, TOKENS, VALID)))(u))
 
 
 def test_pod_with_every_server_drawn_is_the_least_tokens_rule():
-    """d >= the running servers: every key picks the fewest tokens among the running servers
+    """d >= the running servers: every draw picks the fewest tokens among the running servers
     (12 at servers 1 and 2), the tie going to the fewer requests (server 1); the stopped
     server 5, with 0 tokens, never. jsq picks the fewest requests instead (server 4)."""
     for d in (5, 6):
@@ -46,7 +47,8 @@ def test_pod_draws_d_distinct_running_servers_uniformly():
     """d = 1: uniform over the 5 running servers. d = 2: each of the 10 pairs of running
     servers equally likely, won by the fewer tokens, then the fewer requests: server 1
     wins whenever it is drawn (4/10), server 4 (the most tokens) never, server 0 only
-    beside server 4 (1/10). Frequencies within 4 standard errors of 4,000 keys."""
+    beside server 4 (1/10). Frequencies within 4 standard errors of 4,000 draws (Floyd's
+    algorithm on each admission's uniforms)."""
     n = 4000
     one = np.bincount(_choices(PowerOfD(1), n), minlength=6) / n
     two = np.bincount(_choices(PowerOfD(2), n), minlength=6) / n

@@ -158,18 +158,25 @@ def test_clock_advances_across_breakpoints():
     assert float(inf) == np.inf
 
 
-def test_serve_with_a_clock():
-    # A server whose prefill engine frees at 9.5 and whose one decode slot frees at 12;
-    # a request arrives at 9 with prefill work 1 and decode work 2 under the clock above:
-    # prefill runs 9.5 -> 10 (0.5 work) -> 12 (0.5 work at 1/4); decode starts at 12 and
-    # ends at 12 + 4*2 = 20.
-    clock = ServiceClock.of(jnp.array([0.0, 10.0, 30.0]), jnp.array([1.0, 4.0, 1.0]),
-                            jnp.float64)
+def test_serve_in_the_clocks_units():
+    # The engine keeps a slowed cell's server rows in its clock's units, where Lindley's and
+    # Kiefer-Wolfowitz's sums hold as they are. A server whose prefill engine frees at 9.5
+    # and whose one decode slot frees at 12 (clock units 9.5 and 10.5, under the clock
+    # above); a request arrives at 9 with prefill work 1 and decode work 2: prefill runs
+    # 9.5 -> 10 (0.5 work) -> 12 (0.5 work at 1/4); decode starts at 12 and ends at
+    # 12 + 4*2 = 20.
+    @jax.jit
+    def run(row, t, pw, dw):
+        clock = ServiceClock.of(jnp.array([0.0, 10.0, 30.0]), jnp.array([1.0, 4.0, 1.0]),
+                                jnp.float64)
+        new, c, f, start = serve(clock.forward(row), clock.forward(t), pw, dw, 1)
+        return clock.inverse(jnp.stack([f, start, c])), clock.inverse(new[:3])
+
     row = jnp.array([9.5, 12.0, 0.0, 0.0])
-    new, c, f, start = serve(row, jnp.array(9.0), jnp.array(1.0), jnp.array(2.0), 1, clock)
-    assert (float(f), float(start), float(c)) == pytest.approx((12.0, 12.0, 20.0), rel=1e-14)
-    np.testing.assert_allclose(np.asarray(new), [12.0, 20.0, 20.0, 0.0])
-    # Negative control: without the clock, prefill ends at 10.5 and decode runs 12 -> 14.
+    ends, new = run(row, jnp.array(9.0), jnp.array(1.0), jnp.array(2.0))
+    np.testing.assert_allclose(np.asarray(ends), [12.0, 12.0, 20.0], rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(new), [12.0, 20.0, 20.0], rtol=1e-14)
+    # Negative control: in seconds (no clock), prefill ends at 10.5 and decode runs 12 -> 14.
     assert float(serve(row, jnp.array(9.0), jnp.array(1.0), jnp.array(2.0), 1)[1]) == 14.0
 
 

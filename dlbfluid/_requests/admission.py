@@ -101,7 +101,8 @@ class Lane(eqx.Module):
     ($+\\infty$: none); `warmup`, `horizon`; `sorted_offsets` `(n, n)` each cell's probe
     offsets in increasing order (row $j$); `rank` `(n, n)` $q_{ij}$, the number of cell
     $j$'s probe offsets strictly before arc $(i, j)$'s; `ticks` $K$; `sizes`;
-    `histogram`; `smoothing` (static) the probes' smoothing time constant (s; 0: none).
+    `histogram`; `smoothing` (static) the probes' smoothing time constant (s; 0: none);
+    `clocks` every cell's `ServiceClock` (arrays `(n, S)`; None without a service schedule).
     """
 
     scn: Scenario
@@ -122,6 +123,7 @@ class Lane(eqx.Module):
     sizes: Sizes = eqx.field(static=True)
     histogram: LatencyHistogram = eqx.field(static=True)
     smoothing: float = eqx.field(static=True, default=0.0)
+    clocks: ServiceClock | None = None
 
 
 class FifoState(eqx.Module):
@@ -129,7 +131,7 @@ class FifoState(eqx.Module):
 
     **Random numbers:** `key`; `cand` `(rows + A, 4)` the chunk's arrival candidates
     (time, root, whether thinning keeps it, a uniform for the route; `+inf` times past
-    the end), `ptr` the next one; `tokens` `(token_rows, 3)` the draws for admissions
+    the end), `ptr` the next one; `tokens` `(token_rows, 3 + leaf.draws)` the draws for admissions
     (`FifoCells.draw`), `tptr` the next one, `tn` the number drawn (`refill`).
     **Servers:** `srv` `(n, S, 1 + D + Q)`, per server: when its prefill engine frees,
     when each of its decode slots frees ($+\\infty$ for slots it does not have), and the
@@ -214,7 +216,7 @@ def init_lane(ln: Lane, key) -> FifoState:
         key=key,
         cand=jnp.zeros((z.rows + z.candidates, 4), dtype),
         ptr=jnp.zeros((), jnp.int32),
-        tokens=ln.cells.draw(kt, z.token_rows, dtype),
+        tokens=ln.cells.draw(kt, z.token_rows, dtype, ln.leaf.draws),
         tptr=jnp.zeros((), jnp.int32),
         tn=jnp.full((), z.token_rows, jnp.int32),
         srv=jnp.concatenate(
@@ -294,7 +296,7 @@ def refill(ln: Lane, st: FifoState) -> FifoState:
     left = st.tn - st.tptr
     idx = jnp.arange(z.token_rows)
     old = st.tokens[jnp.minimum(idx + st.tptr, z.token_rows - 1)]
-    new = ln.cells.draw(kt, z.token_new, st.tokens.dtype)
+    new = ln.cells.draw(kt, z.token_new, st.tokens.dtype, ln.leaf.draws)
     fresh = new[jnp.clip(idx - left, 0, z.token_new - 1)]
     return dataclasses.replace(
         st,
@@ -315,38 +317,35 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     z, cells, h = ln.sizes, ln.cells, ln.setup.h
     D, S = z.slots, z.servers
     dtype = t.dtype
+    # A service schedule: cell j's rows are kept in its clock's units, where the servers
+    # run at unit speed (theory/requests.md, *Service schedules*); `now` is t there.
+    clock = None if ln.clocks is None else jax.tree_util.tree_map(lambda a: a[j], ln.clocks)
+    now = t if clock is None else clock.forward(t)
     comp = st.srv[j, :, 1 + D :]  # (S, Q)
-    per = jnp.sum(comp > t, axis=-1, dtype=jnp.int32)
+    per = jnp.sum(comp > now, axis=-1, dtype=jnp.int32)
     total = jnp.sum(per)
     reject = ok & ~initial & (total.astype(dtype) >= st.buffer[j])
     valid = jnp.arange(S) < st.active[j]
-    # A service schedule: the servers work at its speed (theory/requests.md, *Service
-    # schedules*); without one (a static test) the sums are the plain ones.
-    clock = (
-        ServiceClock.of(ln.scn.slowdown_times[j], ln.scn.slowdown_factors[j], dtype)
-        if ln.scn.slowdown_times.shape[-1] > 1
-        else None
-    )
     s = JoinShortestQueue().choose(None, per, None, valid)
+    tok = st.tokens[jnp.minimum(st.tptr, z.token_rows - 1)]
     if not isinstance(ln.leaf, JoinShortestQueue):
-        # (the requests present at t = 0 still go round-robin: the same start for every rule)
-        key = jr.fold_in(st.key, st.events) if ln.leaf.random else None
-        if clock is None:
-            tokens = cells.tokens_waiting(j, st.srv[j], t, D)
-        else:  # (the tokens still to process are the work still to do)
-            tokens = cells.tokens_waiting(j, clock.forward(st.srv[j]), clock.forward(t), D)
-        s = jnp.where(initial, s, ln.leaf.choose(key, per, tokens, valid))
+        # (the requests present at t = 0 still go round-robin: the same start for every
+        # rule; the rule's uniforms are the admission's row's last columns)
+        # (in the clock's units, the tokens still to process are the work still to do)
+        tokens = cells.tokens_waiting(j, st.srv[j, :, : 1 + D], now, D)
+        s = jnp.where(initial, s, ln.leaf.choose(tok[3:], per, tokens, valid))
     pick = jnp.arange(S) == s
     row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
     per_s = jnp.sum(jnp.where(pick, per, 0))
     full = ok & ~reject & ((per_s >= z.queue) | ~jnp.any(pick & valid))
     do = ok & ~reject & ~full
-    tok = st.tokens[jnp.minimum(st.tptr, z.token_rows - 1)]
     no_row = do & (st.tptr >= st.tn)
     pw, dw = cells.work(j, tok)
-    new_row, c, pf, vstart = serve(row, t, pw, dw, D, clock)
-    # (the prefill's start: pf - pw is kept where there is no schedule, bit for bit)
-    p0 = pf - pw if clock is None else jnp.maximum(t, row[0])
+    new_row, c, pf, vstart = serve(row, now, pw, dw, D)
+    if clock is None:
+        p0 = pf - pw  # (the prefill's start)
+    else:  # (back to seconds: the completion, the prefill's start and end, the decode's start)
+        c, p0, pf, vstart = clock.inverse(jnp.stack([c, jnp.maximum(now, row[0]), pf, vstart]))
     decode = dw > 0
     # (an index past an array drops the write; the row written depends on the block read)
     srv = st.srv.at[j, jnp.where(do, s, S)].set(new_row, mode="drop")

@@ -67,22 +67,31 @@ class FifoCells(eqx.Module):
     workload: Workload
     tokens: bool = eqx.field(static=True)
 
-    def draw(self, key, rows: int, dtype):
-        """`(rows, 3)` draws: prompt tokens $P$, output tokens $D$ (Gamma variates by
-        `dlbfluid._requests.gamma.gamma`), a unit exponential."""
+    def draw(self, key, rows: int, dtype, extra: int = 0):
+        """`(rows, 3 + extra)` draws: prompt tokens $P$, output tokens $D$ (Gamma variates
+        by `dlbfluid._requests.gamma.gamma`), a unit exponential, then `extra` uniforms in
+        $[0, 1)$ (the leaf rule's: `AbstractLeaf.draws`; from a key of their own, so that
+        the first three columns are the same whatever `extra`)."""
         w = self.workload
         kp, ko, ke = jr.split(key, 3)
         expo = jr.exponential(ke, (rows,), dtype)
         if not self.tokens:
             zero = jnp.zeros((rows,), dtype)
-            return jnp.stack([zero, zero, expo], axis=-1)
-        prompt = w.prompt_shift + w.prompt_scale * gamma(kp, w.prompt_shape, rows, dtype)
-        output = w.output_shift + w.output_scale * gamma(ko, w.output_shape, rows, dtype)
-        return jnp.stack([prompt.astype(dtype), output.astype(dtype), expo], axis=-1)
+            cols = [zero, zero, expo]
+        else:
+            prompt = w.prompt_shift + w.prompt_scale * gamma(kp, w.prompt_shape, rows, dtype)
+            output = w.output_shift + w.output_scale * gamma(ko, w.output_shape, rows, dtype)
+            cols = [prompt.astype(dtype), output.astype(dtype), expo]
+        out = jnp.stack(cols, axis=-1)
+        if extra:
+            u = jr.uniform(jr.fold_in(key, 1), (rows, extra), dtype)
+            out = jnp.concatenate([out, u], axis=-1)
+        return out
 
     def tokens_waiting(self, j, block, t, slots: int):
         """`(S,)` the tokens waiting at each server of cell `j` at time `t` (the leaf rule
-        `pod`'s load), from the servers' rows `block` `(S, 1 + slots + Q)`: the prompt
+        `pod`'s load), from the servers' rows `block` `(S, 1 + slots)` (their first
+        columns: `admission.FifoState.srv`): the prompt
         tokens its prefill engine has yet to process, $(F_s - t)^+/t_{p,j}$, plus the
         output tokens its decode slots have yet to produce,
         $\\sum_{m < D_j}(V_{s,m} - t)^+/t_{d,j}$ (each slot's committed time; it counts a
@@ -107,14 +116,15 @@ class FifoCells(eqx.Module):
 
 
 class ServiceClock(eqx.Module):
-    """The work a server of one cell does by time $t$ under its service schedule:
-    $\\Phi(t) = \\int v$, $v = 1/s_j$ piecewise constant (theory/requests.md, *Service
+    """The work a server of one cell can do by time $t$ under its service schedule:
+    $\\Phi(t) = \\int_0^t v$, $v = 1/s_j$ piecewise constant (theory/requests.md, *Service
     schedules*). In $\\Phi$'s units every server runs at unit speed, so a stage that starts
     a request of work $w$ at $a$ ends at $\\Phi^{-1}(\\Phi(a) + w)$ (`advance`): the schedule
-    is known in advance, and a completion is still fixed at admission.
+    is known in advance, and a completion is still fixed at admission. The engine keeps a
+    cell's server rows in $\\Phi$'s units (`admission.admit`).
 
     **Fields:** `times` `(S,)` the schedule's breakpoints $T_q$, `speed` `(S,)` $v_q$ from
-    $T_q$ on (also before $T_0$), `work` `(S,)` $\\Phi(T_q)$ with $\\Phi(T_0) = 0$.
+    $T_q$ on (also before $T_0$), `work` `(S,)` $\\Phi(T_q)$, with $\\Phi(0) = 0$.
     """
 
     times: Float[Array, " S"]
@@ -127,7 +137,10 @@ class ServiceClock(eqx.Module):
         times = times.astype(dtype)
         speed = (1.0 / factors).astype(dtype)
         steps = speed[:-1] * (times[1:] - times[:-1])
-        return cls(times, speed, jnp.concatenate([jnp.zeros((1,), dtype), jnp.cumsum(steps)]))
+        start = speed[:1] * times[:1]  # Phi(T_0), the speed before T_0 being v_0
+        return cls(
+            times, speed, start + jnp.concatenate([jnp.zeros((1,), dtype), jnp.cumsum(steps)])
+        )
 
     def forward(self, t):
         """$\\Phi(t)$ (`t` any shape; $+\\infty$ stays $+\\infty$)."""
@@ -146,7 +159,7 @@ class ServiceClock(eqx.Module):
         return self.inverse(self.forward(a) + w)
 
 
-def serve(row, t, pw, dw, slots: int, clock: ServiceClock | None = None):
+def serve(row, t, pw, dw, slots: int):
     """One server's admission (module docstring): `row` `(1 + slots + Q,)` holds when its
     prefill engine frees, when each decode slot frees ($+\\infty$ for slots it lacks) and
     the completion times of its requests; a request of prefill work `pw` and decode work
@@ -154,15 +167,14 @@ def serve(row, t, pw, dw, slots: int, clock: ServiceClock | None = None):
     the request's completion $c$, the end $f$ of its prefill and the start of its decode
     (Lindley, then Kiefer-Wolfowitz; $c = f$ when `dw` is 0). The request takes the first
     free entry of the completion times (one whose time has passed: the caller checks that
-    the server holds fewer than Q). With a `clock` (a service schedule) each stage's work
-    is done at the schedule's speed: `ServiceClock.advance` replaces the sums."""
-    add = (lambda a, w: a + w) if clock is None else clock.advance  # noqa: E731
-    f = add(jnp.maximum(t, row[0]), pw)
+    the server holds fewer than Q). Under a service schedule the row, `t` and the results
+    are in the `ServiceClock`'s units."""
+    f = jnp.maximum(t, row[0]) + pw
     v = row[1 : 1 + slots]
     m = jnp.argmin(v)
     start = jnp.maximum(f, v[m])
     decode = dw > 0
-    c = jnp.where(decode, add(start, dw), f)
+    c = jnp.where(decode, start + dw, f)
     q = jnp.argmin(row[1 + slots :])
     idx = jnp.arange(row.shape[0])
     new = jnp.where(idx == 0, f, row)

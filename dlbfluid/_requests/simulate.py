@@ -24,7 +24,7 @@ from .._validate import integer, number
 from .._validate import invalid as _bad
 from . import admission as adm
 from ._leaf import AbstractLeaf, JoinShortestQueue, PowerOfD, leaf_from_name
-from .fifo import FifoCells
+from .fifo import FifoCells, ServiceClock
 from .histogram import LatencyHistogram
 from .loop import Trial, _batched, init_state, run_tick
 from .markov import MarkovCells
@@ -162,6 +162,13 @@ def _lane(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> adm.Lane:
         rank=jnp.sum(off[None, :, :] < off[:, None, :], axis=1).astype(jnp.int32),
         ticks=cfg.save_ticks[-1],
         sizes=cfg.sizes,
+        clocks=(
+            jax.vmap(lambda t, f: ServiceClock.of(t, f, scn.latency.dtype))(
+                scn.slowdown_times, scn.slowdown_factors
+            )
+            if scn.slowdown_times.shape[-1] > 1
+            else None
+        ),
     )
 
 

@@ -16,8 +16,7 @@ class JoinShortestQueue(AbstractLeaf):
     servers. The twin's default leaf rule."""
 
     name: ClassVar[str] = "jsq"
-    random: ClassVar[bool] = False
 
-    def choose(self, key, count, tokens, valid):
+    def choose(self, u, count, tokens, valid):
         _, s = _first_min(jnp.where(valid, count, jnp.iinfo(jnp.int32).max))
         return s

@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
-import jax.random as jr
 
 from ..loop import _first_min
 from .base import AbstractLeaf
@@ -15,7 +13,8 @@ from .base import AbstractLeaf
 
 class PowerOfD(AbstractLeaf):
     """Power-of-$d$ choices on the tokens waiting (seed §3.1): draw $d$ distinct running
-    servers uniformly at random (all of them when fewer than $d$ run) and join the one with
+    servers uniformly at random (Floyd's algorithm on $d$ pre-drawn uniforms; all of them
+    when fewer than $d$ run) and join the one with
     the fewest tokens waiting $w_s(t)$ (`FifoCells.tokens_waiting`); ties go to the fewest
     requests present, then to the lowest index.
 
@@ -31,23 +30,31 @@ class PowerOfD(AbstractLeaf):
 
     d: int = eqx.field(static=True, default=2)
     name: ClassVar[str] = "pod"
-    random: ClassVar[bool] = True
 
     def __check_init__(self):
         if isinstance(self.d, bool) or not isinstance(self.d, int) or self.d < 1:
             raise ValueError(f"PowerOfD.d = {self.d!r} is invalid: expected an integer >= 1")
 
-    def choose(self, key, count, tokens, valid):
+    @property
+    def draws(self) -> int:
+        return self.d
+
+    def choose(self, u, count, tokens, valid):
         S = count.shape[0]
         if self.d >= S:
             drawn = valid
         else:
-            # d distinct servers, uniformly: the d smallest of S uniforms (non-running
-            # servers score 2, above every running one, so they are drawn only when
-            # fewer than d run, and `valid` then drops them)
-            score = jnp.where(valid, jr.uniform(key, (S,), tokens.dtype), 2.0)
-            _, idx = jax.lax.top_k(-score, self.d)
-            drawn = jnp.zeros(S, bool).at[idx].set(True) & valid
+            # d distinct servers of the a running ones (the lowest indices), uniformly, by
+            # Floyd's algorithm: for m = a - d, ..., a - 1 draw r uniform in {0, ..., m}
+            # and take r, or m if r is taken already. Fewer than d running: all of them.
+            a = jnp.sum(valid.astype(jnp.int32))
+            drawn = jnp.zeros(S, bool)
+            for i in range(self.d):  # (static and small)
+                m = a - self.d + i
+                r = jnp.minimum(jnp.floor(u[i] * (m + 1)).astype(jnp.int32), m)
+                pick = jnp.where(drawn[jnp.clip(r, 0, S - 1)], m, r)
+                drawn = drawn | (jnp.arange(S) == pick)
+            drawn = jnp.where(a > self.d, drawn, valid) & valid
         least = jnp.min(jnp.where(drawn, tokens, jnp.inf))
         tied = drawn & (tokens == least)
         fewest = jnp.min(jnp.where(tied, count, jnp.iinfo(jnp.int32).max))
