@@ -18,6 +18,10 @@ move with $k$ or $T$).
 
     python benchmarks/flowgrad_noise.py --runs benchmarks/results/flowgrad_noise_runs \\
         --out benchmarks/results/flowgrad_noise_cpu.json
+
+(the defaults: 4 baseline scenarios x 2 trials x 120 s, App.-B `servers` cells, f in
+{0.1, 0.3, 1}, k in {1, 4}, T in {0, 0.02, 0.1} s: 18 points, about 25 minutes on 2 cores;
+the directories' plots are not kept in git)
 """
 
 from __future__ import annotations
@@ -73,8 +77,8 @@ def main(argv=None):
     ap.add_argument("--runs", required=True, metavar="DIR",
                     help="a directory of experiment directories, one per grid point")  # fmt: skip
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3, 1.0])
-    ap.add_argument("--scales", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--smoothing", type=float, nargs="+", default=[0.0, 0.1])
+    ap.add_argument("--scales", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--smoothing", type=float, nargs="+", default=[0.0, 0.02, 0.1])
     ap.add_argument("--scenarios", type=int, default=4)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--horizon", type=float, default=120.0)
