@@ -113,9 +113,13 @@ def status_names(status) -> np.ndarray:
     )
 
 
-def raise_for_status(status, error: type[Exception], what: str = "", details=None) -> None:
+def raise_for_status(
+    status, error: type[Exception], what: str = "", details=None, messages=None
+) -> None:
     """Raise `error` naming the failed indices and what their codes mean, if any code of
-    `status` is not `success`. `details(bad)` may add per-failure values to the message."""
+    `status` is not `success`. `details(bad)` may add per-failure values to the message;
+    `messages` `{code: text}` replaces a code's meaning where a verb gives it its own
+    (the request-level twin's overflow is `solver_failed`)."""
     st = np.atleast_1d(np.asarray(status))
     bad = np.nonzero(st != RESULTS.success)[0]
     if not bad.size:
@@ -125,5 +129,7 @@ def raise_for_status(status, error: type[Exception], what: str = "", details=Non
     prefix = f"{what}: " if what else ""
     raise error(
         f"{prefix}{bad.size} scenario(s) failed (indices {bad[:10].tolist()}{extra}): "
-        + "; ".join(f"{RESULTS.name(c)}: {RESULTS.message(c)}" for c in codes)
+        + "; ".join(
+            f"{RESULTS.name(c)}: {(messages or {}).get(c, RESULTS.message(c))}" for c in codes
+        )
     )

@@ -135,7 +135,11 @@ class RequestSolution(eqx.Module):
             return "; " + "; ".join(parts) if parts else ""
 
         raise_for_status(
-            np.asarray(self.status).reshape(-1), RequestSimulationError, details=details
+            np.asarray(self.status).reshape(-1),
+            RequestSimulationError,
+            details=details,
+            # (the twin's overflow: no adaptive solver is involved)
+            messages={RESULTS.solver_failed: "a fixed-size array overflowed (named above)"},
         )
 
     def summary(self) -> dict:
