@@ -64,6 +64,9 @@ def test_schedule_is_parsed_padded_and_written_back():
     batch = dl.stack_scenarios([plain, dl.scenario_from_dict(one_cell(schedule=SLOW))])
     np.testing.assert_array_equal(np.asarray(batch.slowdown_factors),
                                   [[[1.0, 1.0, 1.0]], [[1.0, 2.0, 1.0]]])
+    # Padding never drops entries.
+    with pytest.raises(ValueError, match="cannot pad 3 service-schedule entries to 2"):
+        dl.pad_scenario(dl.scenario_from_dict(one_cell(schedule=SLOW)), 1, n_slowdown=2)
 
 
 # -- the fluid model --------------------------------------------------------------------

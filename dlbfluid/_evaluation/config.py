@@ -256,8 +256,12 @@ class ExperimentConfig:
         return d
 
 
-_TWIN_DEFAULTS = {"scale": 1, "probe_smoothing": 0.0, "leaf": "jsq", "pod_d": 2}
-"""The request-level options of `ExperimentConfig` and their defaults."""
+_TWIN_DEFAULTS = {
+    f.name: f.default
+    for f in dataclasses.fields(ExperimentConfig)
+    if f.name in ("scale", "probe_smoothing", "leaf", "pod_d")
+}
+"""The request-level options of `ExperimentConfig` and their defaults (the fields')."""
 
 
 def _chosen_variants(kind: str, vs: list[tuple[str, dict]], chosen) -> tuple[str, ...]:

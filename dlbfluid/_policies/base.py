@@ -56,6 +56,13 @@ def slowdown_factors(scn, t):
     )
 
 
+def observed_fractions(scn, t_obs):
+    """`Observation.scale`: $c_j(t_{k+1} - \\tau_{ij})$ `(n, n)` at the observation times
+    `t_obs` `(n, n)`, or None when the scenario (or batch) has no replica schedule (a
+    static test of the schedule's width, as in `observed_slowdown`)."""
+    return replica_fractions(scn, t_obs) if scn.replica_times.shape[-1] > 1 else None
+
+
 def observed_slowdown(scn, t_obs):
     """`Observation.slowdown`: $s_j(t_{k+1} - \\tau_{ij})$ `(n, n)` at the observation
     times `t_obs` `(n, n)`, or None when the scenario (or batch) has no service schedule

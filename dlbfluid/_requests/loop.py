@@ -34,7 +34,12 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int
 
 from .._policies import AbstractPolicy, Observation, TickSetup
-from .._policies.base import observed_slowdown, replica_fractions, slowdown_factors
+from .._policies.base import (
+    observed_fractions,
+    observed_slowdown,
+    replica_fractions,
+    slowdown_factors,
+)
 from .._scenario import Scenario
 from .._scenario.arrivals import rate_at
 from .cells import AbstractCells
@@ -478,13 +483,9 @@ def route(tr, policy_state, obs_ring, probes, k, t_end, tick_drops, tick_arrival
         k=k,
         t=t_end,
         workload=ring[(k + 1) & (setup.hist - 1)],
-        # The observed replica fractions c_j(t_{k+1} - tau_ij), as the fluid's routers see
-        # them (`dlbfluid._simulate.loop`); None without a schedule.
-        scale=(
-            replica_fractions(scn, t_end - setup.tau).astype(dtype)
-            if scn.replica_times.shape[-1] > 1
-            else None
-        ),
+        # The observed replica fractions c_j(t_{k+1} - tau_ij) and slowdowns, as the fluid's
+        # routers see them (`dlbfluid._simulate.loop`); None without a schedule.
+        scale=_cast(observed_fractions(scn, t_end - setup.tau), dtype),
         slowdown=_cast(observed_slowdown(scn, t_end - setup.tau), dtype),
         drops=tick_drops.astype(dtype) / tr.scale,
         arrivals=tick_arrivals.astype(dtype) / tr.scale,

@@ -56,8 +56,8 @@ class MarkovCells(AbstractCells):
         n = counts.shape[0]
         over = jnp.any(counts > self.slots)
         count = jnp.minimum(counts, self.slots).astype(jnp.int32)
-        frac = jnp.ones(n, self.scale.dtype)
-        return MarkovState(jnp.zeros((n, self.slots), dtype), count, frac, frac), over
+        ones = jnp.ones(n, self.scale.dtype)  # (all replicas running, at full speed)
+        return MarkovState(jnp.zeros((n, self.slots), dtype), count, ones, ones), over
 
     def refresh(self, state, frac, speed, cap):
         # The last requests of a cell's packed slots leave: the origins are exchangeable

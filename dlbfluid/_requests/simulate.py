@@ -623,8 +623,8 @@ def simulate_requests(
       $\\max(1, \\mathrm{round}(c_jS_j))$ of their $S_j$ servers, the others draining the
       requests they hold (theory/requests.md, *Replica schedules*). A service schedule
       $s_j(t)$ (`Scenario.slowdown_factors`) divides a markov cell's rate by the tick's
-      $s_j$, and multiplies the work of a request admitted to a server cell at $t$ by
-      $s_j(t)$ (*Service schedules*).
+      $s_j$, and server cells work at speed $1/s_j(t)$ while they serve (their rows kept
+      in the schedule's work clock: *Service schedules*).
     - `policy`: a registered policy name or an `AbstractPolicy` (`ErrorAverse` included).
     - `service`: `"markov"` (default): cell $j$ with $N$ requests completes at rate
       $k\\mu_j(N/k)$, each present request equally likely (`MarkovCells`); `"servers"`:

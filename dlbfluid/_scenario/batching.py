@@ -26,6 +26,17 @@ def _param_default(sv: ServiceModel, key: str) -> float:
     return 1.0
 
 
+def _repeat_last(width: int | None, *rows, what: str = "columns") -> list[np.ndarray]:
+    """Each `(n, W)` array of `rows` widened to `width` columns (None: as it is) by
+    repeating its last column: a profile or schedule that holds its last entry."""
+    arrays = [np.asarray(r) for r in rows]
+    W = arrays[0].shape[-1]
+    width = W if width is None else width
+    if width < W:
+        raise ValueError(f"cannot pad {W} {what} to {width}")
+    return [np.concatenate([a, np.repeat(a[:, -1:], width - W, axis=1)], axis=1) for a in arrays]
+
+
 def pad_scenario(
     scn: Scenario,
     n: int,
@@ -38,17 +49,14 @@ def pad_scenario(
     with_servers: bool = False,
 ) -> Scenario:
     """Pad one scenario to `n` cells (`n_breakpoints` arrival breakpoints, `n_schedule`
-    replica-schedule entries, `n_slowdown` service-schedule entries); `laws`, `est_laws` widen the service tables of `service`
-    and `estimate` to those laws (for stacking scenarios of different laws);
+    replica-schedule entries, `n_slowdown` service-schedule entries); `laws`, `est_laws`
+    widen the service tables of `service` and `estimate` to those laws (for stacking
+    scenarios of different laws);
     `with_servers` gives a scenario without `servers`/`workload` inert ones (no cell has
     servers; a unit workload), so that it stacks with scenarios that have them."""
     m = scn.n_cells
     if n < m:
         raise ValueError(f"cannot pad a {m}-cell scenario to n = {n} cells")
-    P = scn.arrival_times.shape[-1]
-    Pn = P if n_breakpoints is None else n_breakpoints
-    if Pn < P:
-        raise ValueError(f"cannot pad {P} arrival breakpoints to {Pn}")
     extra = n - m
 
     def cells(a, fill):
@@ -61,25 +69,15 @@ def pad_scenario(
         out[:m, :m] = a
         return out
 
-    times = np.asarray(scn.arrival_times)
-    rates = np.asarray(scn.arrival_rates)
-    times = np.concatenate([times, np.repeat(times[:, -1:], Pn - P, axis=1)], axis=1)
-    rates = np.concatenate([rates, np.repeat(rates[:, -1:], Pn - P, axis=1)], axis=1)
-    rep_t = np.asarray(scn.replica_times)
-    rep_k = np.asarray(scn.replica_counts)
-    Q = rep_t.shape[-1]
-    Qn = Q if n_schedule is None else n_schedule
-    if Qn < Q:
-        raise ValueError(f"cannot pad {Q} replica-schedule entries to {Qn}")
-    rep_t = np.concatenate([rep_t, np.repeat(rep_t[:, -1:], Qn - Q, axis=1)], axis=1)
-    rep_k = np.concatenate([rep_k, np.repeat(rep_k[:, -1:], Qn - Q, axis=1)], axis=1)
-    slow_t, slow_s = np.asarray(scn.slowdown_times), np.asarray(scn.slowdown_factors)
-    S = slow_t.shape[-1]
-    Sn = S if n_slowdown is None else n_slowdown
-    if Sn < S:
-        raise ValueError(f"cannot pad {S} service-schedule entries to {Sn}")
-    slow_t = np.concatenate([slow_t, np.repeat(slow_t[:, -1:], Sn - S, axis=1)], axis=1)
-    slow_s = np.concatenate([slow_s, np.repeat(slow_s[:, -1:], Sn - S, axis=1)], axis=1)
+    times, rates = _repeat_last(
+        n_breakpoints, scn.arrival_times, scn.arrival_rates, what="arrival breakpoints"
+    )
+    rep_t, rep_k = _repeat_last(
+        n_schedule, scn.replica_times, scn.replica_counts, what="replica-schedule entries"
+    )
+    slow_t, slow_s = _repeat_last(
+        n_slowdown, scn.slowdown_times, scn.slowdown_factors, what="service-schedule entries"
+    )
 
     def service(sv: ServiceModel, laws) -> ServiceModel:
         # Padded cells follow the table's first law at its default parameters: they never

@@ -33,7 +33,13 @@ from jaxtyping import Array, Float, Int
 
 from .._integrators.base import arc_integrals
 from .._policies import AbstractPolicy, Observation, TickSetup
-from .._policies.base import observed_slowdown, replica_fractions, slowdown_factors, tree_select
+from .._policies.base import (
+    observed_fractions,
+    observed_slowdown,
+    replica_fractions,
+    slowdown_factors,
+    tree_select,
+)
 from .._results import RESULTS
 from .window import ArrivalWindow, _arrival_window
 
@@ -202,7 +208,7 @@ def _tick(
         k=k,
         t=t_next,
         workload=obs_ring[(k - m) & wrap, I, J],
-        scale=replica_fractions(loc, h - tau) if full.replica_times.shape[-1] > 1 else None,
+        scale=observed_fractions(loc, h - tau),
         slowdown=observed_slowdown(loc, h - tau),
         drops=out.drops,
         arrivals=out.arrivals,
