@@ -7,7 +7,9 @@ on, the twin costs at most 1.5x its time without it, on the baseline, measured i
 power-of-d leaf routing (`PowerOfD(d)` for each `--d`; each server's queue `--pod-slots`,
 default `simulate_requests'`), probe smoothing (`--smoothing` s) and a service schedule
 (each scenario's first cell 3x slower from 30% to 50% of the horizon, the recovery
-experiment's slowdown). Reports per variant the wall seconds (best steady call), compile
+experiment's slowdown), online estimation (`OnlineEstimation()`: a refit every 5 s over
+60 s) and online estimation with its three mitigations (a probe per cell every second,
+shrinkage toward the prior worth 64 samples, dithering 0.1). Reports per variant the wall seconds (best steady call), compile
 seconds, admissions, the mean latency pooled over the lanes (what the option changes),
 and the ratio of its wall time to plain's.
 
@@ -27,6 +29,9 @@ from _batches import appb_batch
 import dlbfluid
 from dlbfluid import simulate_requests
 from dlbfluid._requests._leaf import JoinShortestQueue, PowerOfD
+from dlbfluid._requests.estimation import OnlineEstimation
+
+MITIGATED = OnlineEstimation(probing=1.0, shrinkage=64.0, dithering=0.1)
 
 
 def _slowed(batch, horizon: float):
@@ -72,8 +77,10 @@ def main(argv=None):
     variants += [
         (f"smoothing {args.smoothing:g} s", plain, {"probe_smoothing": args.smoothing}),
         ("service schedule", slowed, {}),
+        ("online estimation", plain, {"estimation": "online"}),
+        ("online, mitigated", plain, {"estimation": MITIGATED}),
         ("all", slowed, {"leaf": pods[-1], "slots": args.pod_slots,
-                         "probe_smoothing": args.smoothing}),
+                         "probe_smoothing": args.smoothing, "estimation": MITIGATED}),
     ]  # fmt: skip
     out, rows = {}, []
     for name, batch, opts in variants:
@@ -89,6 +96,12 @@ def main(argv=None):
             "leaf": leaf.describe(),
             "probe_smoothing": opts.get("probe_smoothing", 0.0),
             "service_schedule": batch is slowed,
+            "estimation": (
+                {"mode": "oracle"}
+                if "estimation" not in opts
+                else (OnlineEstimation() if opts["estimation"] == "online"
+                      else opts["estimation"]).describe()
+            ),  # fmt: skip
             "wall_s": t.wall_s,
             "compile_s": t.compile_s,
             "admissions": int(np.sum(sol.events)),

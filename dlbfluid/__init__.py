@@ -69,6 +69,8 @@ if TYPE_CHECKING:
     from ._registry import register_service_model as register_service_model
     from ._requests import RequestSolution as RequestSolution
     from ._requests import simulate_requests as simulate_requests
+    from ._requests.estimation import EstimationReport as EstimationReport
+    from ._requests.estimation import OnlineEstimation as OnlineEstimation
     from ._results import RESULTS as RESULTS
     from ._runtime.cache import enable_compilation_cache as enable_compilation_cache
     from ._runtime.devices import use_cpu_cores as use_cpu_cores

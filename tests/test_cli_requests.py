@@ -20,8 +20,9 @@ BASE = ["--tick", "0.005", "--horizon", "20", "--window", "0.5", "--policy", "ra
         "--model", "requests", "--trials", "8", "--seed", "3"]  # fmt: skip
 
 POLICY_KEYS = {"status", "trials", "latency", "latency_ci90", "error_rate", "served", "cells"}
-TOP_KEYS = {"model", "service", "leaf", "probe_smoothing", "scale", "seed", "trials", "scenario", "cells", "horizon",
-            "tick", "step_size", "window", "warmup", "status", "policies", "wall_s"}  # fmt: skip
+TOP_KEYS = {"model", "service", "leaf", "probe_smoothing", "estimation", "scale", "seed", "trials", "scenario",
+            "cells", "horizon", "tick", "step_size", "window", "warmup", "status", "policies",
+            "wall_s"}  # fmt: skip
 
 
 def one_cell(buffer=50) -> dict:
@@ -91,7 +92,7 @@ def test_simulate_requests_fifo_server_json_contract_and_mm1_mean(files, capsys)
     assert rc == 0 and len(cap.out.strip().splitlines()) == 1
     res = json.loads(cap.out)
     assert res["service"] == "servers" and res["leaf"] == {"rule": "jsq"}
-    assert res["probe_smoothing"] == 0.0
+    assert res["probe_smoothing"] == 0.0 and res["estimation"] == {"mode": "oracle"}
     r = _check_contract(res)
     sol = _per_trial(files["b50"], "servers")
     m = np.asarray(sol.mean_requests)[:, 0]
@@ -200,6 +201,31 @@ class Worked(Exception):
         (["--model", "requests", "--probe-smoothing", "-1"],
          "--probe-smoothing = '-1' is invalid: expected a finite number >= 0 (seconds)"),
         (["--probe-smoothing", "1"], "--probe-smoothing = '1' is invalid with --model fluid"),
+        (["--model", "requests", "--service", "servers", "--estimation", "bogus"],
+         "--estimation = 'bogus' is invalid: allowed oracle, online"),
+        (["--model", "requests", "--estimation", "online"],
+         "--estimation = 'online' is invalid with --service markov"),
+        (["--model", "requests", "--service", "servers", "--refit-period", "5"],
+         "--refit-period = '5' is invalid without --estimation online"),
+        (["--model", "requests", "--service", "servers", "--estimation", "online",
+          "--estimation-window", "12"],
+         "--estimation-window = 12.0 is invalid: expected a whole number (>= 1) of refit periods"),
+        (["--model", "requests", "--service", "servers", "--estimation", "online",
+          "--refit-period", "0.0071", "--estimation-window", "0.0071"],
+         "--refit-period = 0.0071 is invalid: expected a whole number of ticks (tick = 0.005)"),
+        (["--model", "requests", "--service", "servers", "--estimation", "online",
+          "--refit-period", "-1"], "--refit-period = "),
+        (["--model", "requests", "--service", "servers", "--estimation", "online",
+          "--mitigation", "probing"], "--mitigation = 'probing' is invalid: allowed "
+         "background-probing, shrinkage, dithering"),
+        (["--model", "requests", "--service", "servers", "--estimation", "online",
+          "--mitigation", "dithering=3"], "dithering's sigma must be in (0, 2]"),
+        (["--model", "requests", "--service", "servers", "--estimation", "online",
+          "--mitigation", "shrinkage", "--mitigation", "shrinkage=8"], "shrinkage is named twice"),
+        (["--model", "requests", "--service", "servers", "--estimation", "online",
+          "--mitigation", "background-probing=0.0123"],
+         "--mitigation background-probing = 0.0123 is invalid: expected a whole number of ticks"),
+        (["--estimation", "online"], "--estimation = 'online' is invalid with --model fluid"),
     ],
 )  # fmt: skip
 def test_bad_options_name_the_flag_in_one_line_before_any_work(
@@ -306,6 +332,13 @@ def test_experiment_request_options_are_checked_first(tmp_path, capsys):
         (["--model", "requests", "--service", "servers", "--leaf", "pod", "--pod-d", "0"],
          "--pod-d"),
         (["--model", "requests", "--pod-d", "3"], "--pod-d = '3' is invalid without --leaf"),
+        (["--estimation", "online"], "--estimation = 'online' is invalid with --model fluid"),
+        (["--model", "requests", "--estimation", "online"], "--estimation = 'online' is invalid "
+         "with --service markov"),
+        (["--model", "requests", "--service", "servers", "--estimation", "online",
+          "--mitigation", "x"], "--mitigation = 'x' is invalid"),
+        (["--model", "requests", "--service", "servers", "--estimation", "online",
+          "--estimation-window", "7"], "--estimation-window = 7.0 is invalid"),
     ]:
         rc, cap = _run(capsys, ["experiment", *EXP, *extra, "--out", str(tmp_path / "x")])
         assert rc == 2 and message in cap.err and "usage:" not in cap.err
@@ -362,13 +395,98 @@ def test_experiment_passes_the_twins_options_and_fingerprints_them(monkeypatch):
         percentile = staticmethod(lambda q: np.full((1, 1), 2.0))
         error_rate = staticmethod(lambda: np.zeros((1, 1)))
         status_names = staticmethod(lambda: np.array([["success"]]))
+        estimation = None
 
     def stub(batch, policy, **kw):
         seen.update(kw)
         return Stub()
 
     monkeypatch.setattr(ex, "simulate_requests", stub)
-    lat, p90, err, status = ex._simulate_requests_unit(cfg, None, "rand", None, None, 0.005)
-    assert (lat[0], p90[0], status[0]) == (1.0, 2.0, "success")
+    lat, p90, err, status, est = ex._simulate_requests_unit(cfg, None, "rand", None, None, 0.005)
+    assert (lat[0], p90[0], status[0], est) == (1.0, 2.0, "success", {})
     assert seen["scale"] == 4 and seen["probe_smoothing"] == 0.2
     assert seen["leaf"].name == "pod" and seen["leaf"].d == 3
+
+
+def test_experiment_passes_online_estimation_and_fingerprints_it(monkeypatch):
+    """`--estimation online` and its options reach `simulate_requests` as an
+    `OnlineEstimation` and the directory's fingerprint (where they differ from their
+    defaults); the oracle's fingerprint is the one recorded before them."""
+    import argparse
+
+    from dlbfluid._cli._experiment import _config
+    from dlbfluid._evaluation import experiment as ex
+    from dlbfluid._requests.estimation import OnlineEstimation
+
+    args = argparse.Namespace(
+        kind="baseline", scenarios=1, trials=1, seed=0, horizon=10.0, tick=0.005,
+        step_rule="paper", step_fraction=0.3, policies=["rand"], variants=None,
+        no_error_aversion=False, mnlb_error_aversion=False, model="requests",
+        service="servers", scale=None, probe_smoothing=None, leaf=None, pod_d=None,
+        estimation="online", refit_period="2.5", estimation_window=None,
+        mitigation=["shrinkage=32", "background-probing"])  # fmt: skip
+    cfg = _config(args)
+    assert cfg.online_estimation() == OnlineEstimation(
+        refit_period=2.5, window=60.0, probing=1.0, shrinkage=32.0
+    )
+    fp = cfg.to_json()
+    assert {k: fp[k] for k in ("estimation", "refit_period", "probing", "shrinkage")} == {
+        "estimation": "online", "refit_period": 2.5, "probing": 1.0, "shrinkage": 32.0}
+    assert "estimation_window" not in fp and "dithering" not in fp
+    assert ex.fields(cfg)[-3:] == ex.ESTIMATION_FIELDS
+    plain = ex.ExperimentConfig("baseline", model="requests")
+    assert not {"estimation", "refit_period", "estimation_window"} & set(plain.to_json())
+    assert ex.ESTIMATION_FIELDS[0] not in ex.fields(plain)
+    with pytest.raises(ValueError, match="^shrinkage = 4.0 is invalid with estimation = 'oracle'"):
+        ex.ExperimentConfig("baseline", model="requests", service="servers", shrinkage=4.0)
+
+    seen = {}
+
+    class Report:
+        age = np.array([[[0.0, 60.0, 5.0]]])
+        samples = np.array([[[100, 0, 7]]])
+
+    class Stub:
+        served = np.ones((1, 1))
+        latency_sum = np.ones((1, 1))
+        percentile = staticmethod(lambda q: np.full((1, 1), 2.0))
+        error_rate = staticmethod(lambda: np.zeros((1, 1)))
+        status_names = staticmethod(lambda: np.array([["success"]]))
+        estimation = Report()
+        cell_mask = np.array([[True, True, False]])
+
+    def stub(batch, policy, **kw):
+        seen.update(kw)
+        return Stub()
+
+    monkeypatch.setattr(ex, "simulate_requests", stub)
+    *_, est = ex._simulate_requests_unit(cfg, None, "rand", None, None, 0.005)
+    assert seen["estimation"] == cfg.online_estimation()
+    # (the padded third cell is left out: the oldest real model is 60 s, one of them stale)
+    assert (est["age_max"][0], est["samples_min"][0], est["stale"][0]) == (60.0, 0, 1)
+
+
+def test_simulate_requests_online_estimation_json(files, capsys):
+    """`--estimation online`: the `estimation` objects of the JSON contract. One FIFO server
+    at 10 req/s, a window of 10 s: a refit at the horizon sees about 100 samples (those
+    completed in [10, 20) s), none late; shrinkage leaves a fit of 100 samples mostly
+    the data's."""
+    rc, cap = _run(capsys, ["simulate", str(files["b50"]), *BASE, "--service", "servers",
+                            "--estimation", "online", "--estimation-window", "10",
+                            "--mitigation", "shrinkage=8", "--json"])  # fmt: skip
+    assert rc == 0
+    res = json.loads(cap.out)
+    assert res["estimation"] == {
+        "mode": "online", "refit_period": 5.0, "window": 10.0, "bins": 64, "min_samples": 32,
+        "mitigations": {"background-probing": None, "shrinkage": {"prior_samples": 8.0},
+                        "dithering": None},
+    }  # fmt: skip
+    r = res["policies"]["rand"]
+    assert set(r) == POLICY_KEYS | {"estimation"}
+    (cell,) = r["estimation"]["cells"]
+    assert set(cell) == {"params", "samples", "age", "late"}
+    assert set(cell["params"]) == {"capacity", "base_latency", "knee", "width"}
+    assert 60 <= cell["samples"] <= 140 and cell["age"] == 0.0 and cell["late"] == 0
+    # The fitted latency at no load is near the service's geometric mean e^-gamma/mu = 0.028 s
+    # (log least squares), far from the prior's (1 + ln 2)/mu = 0.085 s.
+    assert 0.015 < cell["params"]["base_latency"] < 0.06

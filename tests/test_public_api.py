@@ -19,7 +19,8 @@ EXPECTED = {
     "rif_latency_range", "step_size_ratio", "ProjectionCheck", "projection_check", "fit_bound",
     "Theorem1Check", "Theorem1Constants", "THEOREM1_ESTIMATES", "theorem1_check", "theorem1_constants",
     "BatchStability", "batch_critical_step_size",
-    "simulate_requests", "RequestSolution", "ServerCells", "Workload",
+    "simulate_requests", "RequestSolution", "ServerCells", "Workload", "OnlineEstimation",
+    "EstimationReport",
 }
 
 

@@ -174,6 +174,9 @@ def _add_model_flags(p) -> None:
         metavar="D",
         help="with --leaf pod, an integer >= 1: the servers drawn per request (default 2)",
     )
+    from ._simulate import add_estimation_flags
+
+    add_estimation_flags(p)
 
 
 def _config(args):
@@ -223,16 +226,18 @@ def _config(args):
 
 
 def _twin_options(args) -> dict:
-    """`--scale`, `--probe-smoothing`, `--leaf` and `--pod-d` checked (one-line refusals,
+    """`--scale`, `--probe-smoothing`, `--leaf`, `--pod-d` and the estimation's options
+    (`--estimation`, `--refit-period`, `--estimation-window`, `--mitigation`) checked (one-line refusals,
     `dlbfluid simulate`'s wording) as `ExperimentConfig` fields; each needs
     `--model requests`."""
-    from ._simulate import _smoothing, _whole, leaf_option
+    from ._simulate import _smoothing, _whole, estimation_option, leaf_option
 
     given = {
         f: getattr(args, f)
-        for f in ("scale", "probe_smoothing", "leaf", "pod_d")
-        if getattr(args, f) is not None
-    }
+        for f in ("scale", "probe_smoothing", "leaf", "pod_d", "estimation", "refit_period",
+                  "estimation_window", "mitigation")
+        if getattr(args, f, None) is not None
+    }  # fmt: skip
     if given and args.model != "requests":
         f = next(iter(given))
         raise ValueError(
@@ -247,6 +252,16 @@ def _twin_options(args) -> dict:
     leaf = leaf_option(args, args.service or "markov")
     if leaf.name != "jsq":
         out["leaf"], out["pod_d"] = leaf.name, leaf.d
+    online = estimation_option(args, args.service or "markov")
+    if online is not None:
+        out.update(
+            estimation="online",
+            refit_period=online.refit_period,
+            estimation_window=online.window,
+            probing=online.probing,
+            shrinkage=online.shrinkage,
+            dithering=online.dithering,
+        )
     return out
 
 

@@ -18,6 +18,9 @@ SIMULATE_REQUESTS = {
     "service": "--service",
     "leaf": "--leaf",
     "probe_smoothing": "--probe-smoothing",
+    "estimation": "--estimation",
+    "refit_period": "--refit-period",
+    "probing": "--mitigation background-probing",
     "scale": "--scale",
     "trials": "--trials",
     "seed": "--seed",
@@ -49,6 +52,13 @@ EXPERIMENT = {
     "probe_smoothing": "--probe-smoothing",
     "leaf": "--leaf",
     "pod_d": "--pod-d",
+    "estimation": "--estimation",
+    "refit_period": "--refit-period",
+    "estimation_window": "--estimation-window",
+    "mitigation": "--mitigation",
+    "probing": "--mitigation background-probing",
+    "shrinkage": "--mitigation shrinkage",
+    "dithering": "--mitigation dithering",
 }
 """`ExperimentConfig`'s fields (and its manifest's) and the options of `dlbfluid experiment`."""
 

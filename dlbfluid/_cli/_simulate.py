@@ -171,6 +171,125 @@ def _add_request_flags(p) -> None:
         metavar="D",
         help="with --leaf pod, an integer >= 1: the servers drawn per request (default 2)",
     )
+    add_estimation_flags(g)
+
+
+def add_estimation_flags(g) -> None:
+    """`--estimation`, `--refit-period`, `--estimation-window`, `--mitigation` (checked
+    by `estimation_option`)."""
+    g.add_argument(
+        "--estimation",
+        default=None,
+        metavar="oracle|online",
+        help="the routers' latency models: oracle (default; the scenario's, fixed) or online "
+        "(with --service servers: each cell's softplus model refitted in the loop from the "
+        "requests completed in a sliding window)",
+    )
+    g.add_argument(
+        "--refit-period",
+        default=None,
+        metavar="P",
+        help="with --estimation online, seconds between refits, a whole number of ticks "
+        "(default 5)",
+    )
+    g.add_argument(
+        "--estimation-window",
+        default=None,
+        metavar="W",
+        help="with --estimation online, seconds of completions a refit uses, a whole number "
+        "of refit periods (default 60)",
+    )
+    g.add_argument(
+        "--mitigation",
+        action="append",
+        default=None,
+        metavar="NAME[=VALUE]",
+        help="with --estimation online, repeatable: background-probing[=PERIOD s, default "
+        f"{MITIGATION_DEFAULTS['background-probing']}], shrinkage[=PRIOR SAMPLES, default "
+        f"{MITIGATION_DEFAULTS['shrinkage']:g}], dithering[=SIGMA, default "
+        f"{MITIGATION_DEFAULTS['dithering']}]",
+    )
+
+
+MITIGATION_DEFAULTS = {"background-probing": 1.0, "shrinkage": 64.0, "dithering": 0.1}
+"""`--mitigation NAME` without a value: a probe per cell every second, a prior worth 64
+samples, log-normal noise of sigma 0.1 (docs/cli.md)."""
+
+_MITIGATION_FIELDS = {
+    "background-probing": "probing",
+    "shrinkage": "shrinkage",
+    "dithering": "dithering",
+}
+
+
+def estimation_option(args, service: str):
+    """The checked `--estimation`, `--refit-period`, `--estimation-window` and
+    `--mitigation`: None for the oracle, else an `OnlineEstimation`; one-line refusals
+    naming the option."""
+    from .._requests.estimation import ESTIMATION_MODES, OnlineEstimation, period_ticks
+
+    mode = getattr(args, "estimation", None) or "oracle"
+    if mode not in ESTIMATION_MODES:
+        raise ValueError(
+            f"--estimation = {mode!r} is invalid: allowed {', '.join(ESTIMATION_MODES)}"
+        )
+    extra = {
+        "refit_period": getattr(args, "refit_period", None),
+        "estimation_window": getattr(args, "estimation_window", None),
+        "mitigation": getattr(args, "mitigation", None),
+    }
+    if mode == "oracle":
+        for name, value in extra.items():
+            if value is not None:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} = {value!r} is invalid without --estimation online"
+                )
+        return None
+    if service != "servers":
+        raise ValueError(
+            f"--estimation = 'online' is invalid with --service {service}: markov cells do "
+            "not fix a request's latency at its admission (use --service servers)"
+        )
+    kw: dict = {}
+    for name, field in (("refit_period", "refit_period"), ("estimation_window", "window")):
+        if extra[name] is not None:
+            try:
+                kw[field] = positive_float(name)(extra[name])
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"--{name.replace('_', '-')} = {e} (seconds)") from None
+    for item in extra["mitigation"] or []:
+        name, eq, value = item.partition("=")
+        if name not in MITIGATION_DEFAULTS:
+            raise ValueError(
+                f"--mitigation = {item!r} is invalid: allowed "
+                f"{', '.join(MITIGATION_DEFAULTS)} (each optionally =VALUE)"
+            )
+        field = _MITIGATION_FIELDS[name]
+        if field in kw:
+            raise ValueError(f"--mitigation = {item!r} is invalid: {name} is named twice")
+        if not eq:
+            kw[field] = MITIGATION_DEFAULTS[name]
+            continue
+        try:
+            v = positive_float(name)(value)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--mitigation {name} = {e}") from None
+        if name == "dithering" and v > 2.0:
+            raise ValueError(
+                f"--mitigation = {item!r} is invalid: dithering's sigma must be in (0, 2]"
+            )
+        kw[field] = v
+    try:
+        online = OnlineEstimation(**kw)
+    except ValueError as e:
+        msg = str(e).replace("refit_period =", "--refit-period =")
+        raise ValueError(msg.replace("window =", "--estimation-window =", 1)) from None
+    tick = getattr(args, "tick", None)
+    if tick is not None:  # (`experiment` checks each variant's tick: `ExperimentConfig`)
+        period_ticks(online.refit_period, tick, "--refit-period")
+        if online.probing > 0:
+            period_ticks(online.probing, tick, "--mitigation background-probing")
+    return online
 
 
 def _add_control_flags(p) -> None:
@@ -277,7 +396,8 @@ def request_options(args) -> dict | None:
         raise ValueError(f"--model = {args.model!r} is invalid: allowed {', '.join(MODELS)}")
     policies = list(args.policy or ["flow-grad"])
     if args.model == "fluid":
-        for name in ("service", "scale", "trials", "seed", "leaf", "pod_d", "probe_smoothing"):
+        for name in ("service", "scale", "trials", "seed", "leaf", "pod_d", "probe_smoothing",
+                     "estimation", "refit_period", "estimation_window", "mitigation"):  # fmt: skip
             value = getattr(args, name, None)
             if value is not None:
                 raise ValueError(
@@ -299,6 +419,7 @@ def request_options(args) -> dict | None:
     return {
         "leaf": leaf_option(args, service),
         "probe_smoothing": _smoothing(args.probe_smoothing),
+        "estimation": estimation_option(args, service),
         "model": "requests",
         "service": service,
         "scale": 1 if args.scale is None else _whole("--scale", args.scale, 1),
@@ -503,6 +624,7 @@ def run_requests(args, req: dict) -> int:
                 service=req["service"],
                 leaf=req["leaf"],
                 probe_smoothing=req["probe_smoothing"],
+                estimation=req["estimation"] or "oracle",
                 scale=req["scale"],
                 trials=req["trials"],
                 seed=req["seed"],
@@ -527,6 +649,9 @@ def run_requests(args, req: dict) -> int:
         "service": req["service"],
         "leaf": req["leaf"].describe(),
         "probe_smoothing": req["probe_smoothing"],
+        "estimation": {"mode": "oracle"}
+        if req["estimation"] is None
+        else req["estimation"].describe(),
         "scale": req["scale"],
         "seed": req["seed"],
         "trials": req["trials"],

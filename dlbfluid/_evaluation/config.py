@@ -111,7 +111,11 @@ class ExperimentConfig:
     request-level run only: `scale` (the twin's $k$: rates, replicas and buffers times $k$,
     probe noise about $k^{-1/2}$ of the fluid's counts), `probe_smoothing` (the routers'
     filter time constant in s, 0 for the raw probes), `leaf` and `pod_d` (the `servers`
-    cells' leaf rule, `"jsq"` or `"pod"` with its $d$).
+    cells' leaf rule, `"jsq"` or `"pod"` with its $d$), `estimation` (`"oracle"`, or
+    `"online"` with `servers` cells: the latency models refitted in the loop every
+    `refit_period` s over `estimation_window` s, with the mitigations `probing` (s between
+    background probes), `shrinkage` (the prior's weight in samples) and `dithering`
+    ($\\sigma$), each off at 0; `online_estimation`).
 
     `to_json` (the directory's fingerprint) leaves `model` and `service` out for a fluid
     run, so that a fluid experiment's configuration is the one recorded before the
@@ -120,8 +124,8 @@ class ExperimentConfig:
     one of another service). It leaves `variants` out when it is `None` (every variant), so
     that the directories recorded before the option existed keep resuming, and a run of a
     subset never resumes into one of another subset or of all. `scale`, `probe_smoothing`,
-    `leaf` and `pod_d` enter it only where they differ from their defaults, for the same
-    reason.
+    `leaf`, `pod_d` and the estimation's fields enter it only where they differ from their
+    defaults, for the same reason.
     """
 
     experiment: str
@@ -146,6 +150,12 @@ class ExperimentConfig:
     probe_smoothing: float = 0.0
     leaf: str = "jsq"
     pod_d: int = 2
+    estimation: str = "oracle"
+    refit_period: float = 5.0
+    estimation_window: float = 60.0
+    probing: float = 0.0
+    shrinkage: float = 0.0
+    dithering: float = 0.0
 
     def __post_init__(self):
         vs = variants(self.experiment)
@@ -208,6 +218,7 @@ class ExperimentConfig:
                 f"{name} = {twin[name]!r} is invalid with model = 'fluid': it sets the "
                 "request-level twin (model 'requests')"
             )
+        self._check_estimation()
         if self.leaf != "jsq" and self.service != "servers":
             raise ValueError(
                 f"leaf = {self.leaf!r} is invalid with service = {self.service!r}: leaf rules "
@@ -232,6 +243,52 @@ class ExperimentConfig:
         if len(set(pols)) != len(pols):
             raise ValueError(f"policies = {list(pols)} is invalid: duplicates")
         object.__setattr__(self, "policies", pols)
+
+    def _check_estimation(self) -> None:
+        from .._requests.estimation import ESTIMATION_MODES, period_ticks
+
+        if self.estimation not in ESTIMATION_MODES:
+            raise ValueError(
+                f"estimation = {self.estimation!r} is invalid: allowed {list(ESTIMATION_MODES)}"
+            )
+        if self.estimation == "oracle":
+            for f in _ESTIMATION_FIELDS:
+                if getattr(self, f) != _TWIN_DEFAULTS[f]:
+                    raise ValueError(
+                        f"{f} = {getattr(self, f)!r} is invalid with estimation = 'oracle': "
+                        "it sets online estimation"
+                    )
+            return
+        if self.service != "servers":
+            raise ValueError(
+                f"estimation = 'online' is invalid with service = {self.service!r}: markov "
+                "cells do not fix a request's latency at its admission (service 'servers')"
+            )
+        online = self.online_estimation()
+        assert online is not None
+        for _, opts in self.run_variants():
+            h = opts.get("tick", self.tick)
+            period_ticks(online.refit_period, h, "refit_period")
+            if online.probing > 0:
+                period_ticks(online.probing, h, "probing")
+
+    def online_estimation(self):
+        """The `OnlineEstimation` of an online run (None for the oracle); its refusals
+        name the field (`estimation_window` for its `window`)."""
+        from .._requests.estimation import OnlineEstimation
+
+        if self.estimation == "oracle":
+            return None
+        try:
+            return OnlineEstimation(
+                refit_period=self.refit_period,
+                window=self.estimation_window,
+                probing=self.probing,
+                shrinkage=self.shrinkage,
+                dithering=self.dithering,
+            )
+        except ValueError as e:
+            raise ValueError(str(e).replace("window =", "estimation_window =", 1)) from None
 
     def run_variants(self) -> list[tuple[str, dict]]:
         """The `(label, options)` variants this configuration runs: the kind's
@@ -259,9 +316,13 @@ class ExperimentConfig:
 _TWIN_DEFAULTS = {
     f.name: f.default
     for f in dataclasses.fields(ExperimentConfig)
-    if f.name in ("scale", "probe_smoothing", "leaf", "pod_d")
-}
+    if f.name in ("scale", "probe_smoothing", "leaf", "pod_d", "estimation", "refit_period",
+                  "estimation_window", "probing", "shrinkage", "dithering")
+}  # fmt: skip
 """The request-level options of `ExperimentConfig` and their defaults (the fields')."""
+
+_ESTIMATION_FIELDS = ("refit_period", "estimation_window", "probing", "shrinkage", "dithering")
+"""The fields that set online estimation (refused with `estimation = "oracle"`)."""
 
 
 def _chosen_variants(kind: str, vs: list[tuple[str, dict]], chosen) -> tuple[str, ...]:

@@ -76,10 +76,21 @@ run's), and the fluid model's mean latency, error rate and status on the same sc
 trial and step sizes."""
 
 
+ESTIMATION_FIELDS = ("estimate_age_max", "estimate_samples_min", "estimate_stale_cells")
+"""The columns an online-estimation experiment adds (`ExperimentConfig.estimation`): per
+run, the oldest of its cells' latency models at the horizon (s since its last accepted
+fit), the fewest samples in a cell's last window, and the cells whose model is at least a
+window old (no accepted fit in the last window: starved or censored out)."""
+
+
 def fields(cfg: ExperimentConfig) -> tuple[str, ...]:
     """The columns of `cfg`'s `results.csv`: `FIELDS`, plus `REQUEST_FIELDS` at request
-    level (a fluid run's file is the one written before the twin existed)."""
-    return FIELDS + REQUEST_FIELDS if cfg.model == "requests" else FIELDS
+    level (a fluid run's file is the one written before the twin existed), plus
+    `ESTIMATION_FIELDS` with online estimation."""
+    if cfg.model != "requests":
+        return FIELDS
+    extra = ESTIMATION_FIELDS if cfg.estimation == "online" else ()
+    return FIELDS + REQUEST_FIELDS + extra
 
 
 # ----------------------------------------------------------------------------------------
@@ -250,7 +261,10 @@ def summarise(rows: list[dict], policies=POLICIES, model: str = "fluid") -> list
     percentile latency over Rand's on the same scenario and trial, `p90_latency` its raw
     mean (s), and `fluid_normalized_latency`, `fluid_mean_latency`, `fluid_error_rate` the
     fluid model's on the same scenarios (over the runs where both Rand's and the policy's
-    fluid runs succeeded)."""
+    fluid runs succeeded). Rows with `ESTIMATION_FIELDS` (online estimation) add
+    `estimation`: the runs counted, the 50th and 90th percentiles and the maximum of each
+    run's oldest model (s), the runs with a stale cell (a model at least a window old) and
+    the mean number of stale cells per run."""
     by = {}
     for r in rows:
         by[(r["variant"], r["policy"], r["scenario"], r["trial"])] = r
@@ -263,6 +277,7 @@ def summarise(rows: list[dict], policies=POLICIES, model: str = "fluid") -> list
                 continue
             norm, lat, err, failed = [], [], [], 0
             p90n, p90, fnorm, flat, ferr = [], [], [], [], []
+            ages, stale = [], []
             for r in mine:
                 base = by.get((v, "rand", r["scenario"], r["trial"]))
                 if model == "requests" and base is not None:
@@ -279,6 +294,9 @@ def summarise(rows: list[dict], policies=POLICIES, model: str = "fluid") -> list
                 if model == "requests":
                     p90.append(float(r["p90_latency"]))
                     p90n.append(p90[-1] / float(base["p90_latency"]))
+                if r.get("estimate_age_max", "") != "":
+                    ages.append(float(r["estimate_age_max"]))
+                    stale.append(int(r["estimate_stale_cells"]))
             q = lambda a, pct: float(np.percentile(a, pct)) if a else None  # noqa: E731
             m = lambda a: float(np.mean(a)) if a else None  # noqa: E731
             extra: dict = {"p90": None, "model": model}
@@ -290,6 +308,15 @@ def summarise(rows: list[dict], policies=POLICIES, model: str = "fluid") -> list
                     "fluid_mean_latency": m(flat),
                     "fluid_error_rate": m(ferr),
                     "model": model,
+                }
+            if ages:
+                extra["estimation"] = {
+                    "runs": len(ages),
+                    "age_max_p50": q(ages, 50),
+                    "age_max_p90": q(ages, 90),
+                    "age_max": float(np.max(ages)),
+                    "stale_runs": int(np.sum(np.asarray(stale) > 0)),
+                    "stale_cells_mean": m(stale),
                 }
             out.append(
                 {
@@ -460,8 +487,10 @@ def _unit_rows(cfg: ExperimentConfig, unit, variant_batch, procs: Processes, sho
     }
     if cfg.model == "requests":
         fluid = {f"f_{k}": a for k, a in runs.items()}
-        lat, p90, err, status = _simulate_requests_unit(cfg, mine, pol, eta[lo:hi], averse, tick)
-        runs = {"lat": lat, "p90": p90, "err": err, "status": status, **fluid}
+        lat, p90, err, status, est = _simulate_requests_unit(
+            cfg, mine, pol, eta[lo:hi], averse, tick
+        )
+        runs = {"lat": lat, "p90": p90, "err": err, "status": status, **est, **fluid}
     n_cells = masks.sum(axis=-1)
     common = {"experiment": cfg.experiment, "variant": v, "policy": p}
     return [
@@ -490,6 +519,12 @@ def _row(cfg: ExperimentConfig, common: dict, st, run: dict, n_cells: int, util,
             "fluid_error_rate": f"{run['f_err']:.10g}" if f_ok else "",
             "fluid_status": f_state,
         }
+        if cfg.estimation == "online":
+            extra.update(
+                estimate_age_max=f"{run['age_max']:.10g}",
+                estimate_samples_min=str(int(run["samples_min"])),
+                estimate_stale_cells=str(int(run["stale"])),
+            )
     return {
         **common,
         "scenario": s,
@@ -569,7 +604,9 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick):
     `batch`, the policy wrapped in `ErrorAverse` as the fluid run's is, seeded by
     `cfg.seed` (the same random streams for every policy: common random numbers). Returns
     per run the mean latency of the served requests (NaN when none was served), the 90th
-    percentile latency, the error rate and the status name.
+    percentile latency, the error rate, the status name and, with online estimation, the
+    `ESTIMATION_FIELDS`' numbers over the real cells (`age_max`, `samples_min`, `stale`; an
+    empty dict for the oracle).
 
     Across processes each process draws its share's streams from `cfg.seed` alone: the
     runs are statistically, not bitwise, those of a one-process run."""
@@ -581,6 +618,7 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick):
         scale=cfg.scale,
         probe_smoothing=cfg.probe_smoothing,
         leaf=PowerOfD(cfg.pod_d) if cfg.leaf == "pod" else "jsq",
+        estimation=cfg.online_estimation() or "oracle",
         seed=cfg.seed,
         step_size=eta,
         tick=tick,
@@ -596,4 +634,14 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick):
     err = np.asarray(sol.error_rate())[:, 0]
     status = np.asarray(sol.status_names())[:, 0]
     status = np.where((status == "success") & ~np.isfinite(p90), "nonfinite", status)
-    return lat, p90, err, status
+    est = {}
+    if sol.estimation is not None:
+        real = np.asarray(sol.cell_mask)  # (B, n)
+        age = np.asarray(sol.estimation.age)[:, 0]
+        samples = np.asarray(sol.estimation.samples)[:, 0]
+        est = {
+            "age_max": np.max(np.where(real, age, -np.inf), axis=-1),
+            "samples_min": np.min(np.where(real, samples, np.iinfo(np.int32).max), axis=-1),
+            "stale": np.sum(real & (age >= cfg.estimation_window), axis=-1),
+        }
+    return lat, p90, err, status, est

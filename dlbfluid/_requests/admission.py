@@ -46,6 +46,7 @@ from jaxtyping import Array, Float, Int
 from .._policies import AbstractPolicy, TickSetup
 from .._scenario import Scenario
 from .._scenario.arrivals import rate_at
+from . import estimation as est_
 from ._leaf import AbstractLeaf, JoinShortestQueue
 from .fifo import FifoCells, ServiceClock, running, serve
 from .histogram import LatencyHistogram
@@ -102,7 +103,9 @@ class Lane(eqx.Module):
     offsets in increasing order (row $j$); `rank` `(n, n)` $q_{ij}$, the number of cell
     $j$'s probe offsets strictly before arc $(i, j)$'s; `ticks` $K$; `sizes`;
     `histogram`; `smoothing` (static) the probes' smoothing time constant (s; 0: none);
-    `clocks` every cell's `ServiceClock` (arrays `(n, S)`; None without a service schedule).
+    `clocks` every cell's `ServiceClock` (arrays `(n, S)`; None without a service schedule);
+    `estimation` (static) the online estimation's configuration and `est` its arrays
+    (`dlbfluid._requests.estimation`; None: the oracle, the scenario's `estimate`).
     """
 
     scn: Scenario
@@ -124,6 +127,8 @@ class Lane(eqx.Module):
     histogram: LatencyHistogram = eqx.field(static=True)
     smoothing: float = eqx.field(static=True, default=0.0)
     clocks: ServiceClock | None = None
+    estimation: est_.OnlineEstimation | None = eqx.field(static=True, default=None)
+    est: est_.EstLane | None = None
 
 
 class FifoState(eqx.Module):
@@ -150,6 +155,7 @@ class FifoState(eqx.Module):
     **Outputs:** `stats` (`Stats`: `area` and `busy` are time integrals of the count and
     of the busy servers, accumulated per request), `run_area` `(n,)` the integral of the
     running servers, `overflow` bits, `events` admissions made.
+    **Estimation:** `est` the online estimation's state (`EstState`; None: the oracle).
     """
 
     key: Array
@@ -178,6 +184,7 @@ class FifoState(eqx.Module):
     run_area: Float[Array, " n"]
     overflow: Int[Array, ""]
     events: Int[Array, ""]
+    est: est_.EstState | None = None
 
 
 def _overlap(a, b, lo, hi):
@@ -248,6 +255,10 @@ def init_lane(ln: Lane, key) -> FifoState:
         run_area=zf,
         overflow=jnp.zeros((), jnp.int32),
         events=jnp.zeros((), jnp.int32),
+        # (a key of its own: the lane's stream of draws is the oracle's)
+        est=None
+        if ln.estimation is None or ln.est is None
+        else est_.init_est(ln.estimation, ln.est, jr.fold_in(key, 7), dtype),
     )
     return redraw(ln, st, jnp.zeros((), jnp.int32))
 
@@ -315,37 +326,17 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     Cell $j$'s servers are read as one block and the chosen server's row written back
     whole: each array is read and written once per admission, the fewest kernels."""
     z, cells, h = ln.sizes, ln.cells, ln.setup.h
-    D, S = z.slots, z.servers
+    S = z.servers
     dtype = t.dtype
-    # A service schedule: cell j's rows are kept in its clock's units, where the servers
-    # run at unit speed (theory/requests.md, *Service schedules*); `now` is t there.
-    clock = None if ln.clocks is None else jax.tree_util.tree_map(lambda a: a[j], ln.clocks)
-    now = t if clock is None else clock.forward(t)
-    comp = st.srv[j, :, 1 + D :]  # (S, Q)
-    per = jnp.sum(comp > now, axis=-1, dtype=jnp.int32)
-    total = jnp.sum(per)
-    reject = ok & ~initial & (total.astype(dtype) >= st.buffer[j])
-    valid = jnp.arange(S) < st.active[j]
-    s = JoinShortestQueue().choose(None, per, None, valid)
     tok = st.tokens[jnp.minimum(st.tptr, z.token_rows - 1)]
-    if not isinstance(ln.leaf, JoinShortestQueue):
-        # (the requests present at t = 0 still go round-robin: the same start for every
-        # rule; the rule's uniforms are the admission's row's last columns)
-        # (in the clock's units, the tokens still to process are the work still to do)
-        tokens = cells.tokens_waiting(j, st.srv[j, :, : 1 + D], now, D)
-        s = jnp.where(initial, s, ln.leaf.choose(tok[3:], per, tokens, valid))
-    pick = jnp.arange(S) == s
-    row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
+    p = _place(ln, st, j, t, tok, initial)
+    per, total, valid, pick = p.per, p.total, p.valid, p.pick
+    s, new_row, c, p0, pf, vstart, dw = p.server, p.new_row, p.c, p.p0, p.pf, p.vstart, p.dw
+    reject = ok & ~initial & (total.astype(dtype) >= st.buffer[j])
     per_s = jnp.sum(jnp.where(pick, per, 0))
     full = ok & ~reject & ((per_s >= z.queue) | ~jnp.any(pick & valid))
     do = ok & ~reject & ~full
     no_row = do & (st.tptr >= st.tn)
-    pw, dw = cells.work(j, tok)
-    new_row, c, pf, vstart = serve(row, now, pw, dw, D)
-    if clock is None:
-        p0 = pf - pw  # (the prefill's start)
-    else:  # (back to seconds: the completion, the prefill's start and end, the decode's start)
-        c, p0, pf, vstart = clock.inverse(jnp.stack([c, jnp.maximum(now, row[0]), pf, vstart]))
     decode = dw > 0
     # (an index past an array drops the write; the row written depends on the block read)
     srv = st.srv.at[j, jnp.where(do, s, S)].set(new_row, mode="drop")
@@ -401,8 +392,13 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
         busy=s_.busy + jnp.where(do, busy, 0.0) * onehot,
     )
     deliv = (ok & ~initial).astype(jnp.int32) * onehot
+    est = st.est
+    if est is not None:
+        assert ln.estimation is not None and ln.est is not None
+        est = est_.record(ln.estimation, ln.est, est, j, total, ln.scale, t, c, do)
     return dataclasses.replace(
         st,
+        est=est,
         tptr=(st.tptr + do).astype(jnp.int32),
         srv=srv,
         cal=cal,
@@ -417,6 +413,87 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
         | _bit(far_full, OVERFLOW_CALENDAR),
         events=(st.events + ok).astype(jnp.int32),
     )
+
+
+class _Placement(eqx.Module):
+    """Where and when a request delivered to cell `j` at `t` would be served (`_place`):
+    `now` ($t$ in the cell's clock), `per` `(S,)` requests per server and `total`,
+    `valid` the running servers, the chosen `server` (`pick` one-hot) and its `row`, the
+    row after the admission `new_row`, the completion `c`, the prefill's start `p0` and
+    end `pf`, the decode's start `vstart` (in seconds), the work `pw`, `dw`."""
+
+    now: Array
+    per: Array
+    total: Array
+    valid: Array
+    server: Array
+    pick: Array
+    row: Array
+    new_row: Array
+    c: Array
+    p0: Array
+    pf: Array
+    vstart: Array
+    pw: Array
+    dw: Array
+
+
+def _place(ln: Lane, st: FifoState, j, t, tok, initial) -> _Placement:
+    """The leaf rule's choice and the FIFO recursions for a request of draws `tok`
+    delivered to cell `j` at `t` (`initial`: present at $t = 0$, round-robin), without
+    writing anything: `admit` writes the row, a background probe only reads `c`."""
+    D, S = ln.sizes.slots, ln.sizes.servers
+    cells = ln.cells
+    # A service schedule: cell j's rows are kept in its clock's units, where the servers
+    # run at unit speed (theory/requests.md, *Service schedules*); `now` is t there.
+    clock = None if ln.clocks is None else jax.tree_util.tree_map(lambda a: a[j], ln.clocks)
+    now = t if clock is None else clock.forward(t)
+    comp = st.srv[j, :, 1 + D :]  # (S, Q)
+    per = jnp.sum(comp > now, axis=-1, dtype=jnp.int32)
+    total = jnp.sum(per)
+    valid = jnp.arange(S) < st.active[j]
+    s = JoinShortestQueue().choose(None, per, None, valid)
+    if not isinstance(ln.leaf, JoinShortestQueue):
+        # (the requests present at t = 0 still go round-robin: the same start for every
+        # rule; the rule's uniforms are the admission's row's last columns)
+        # (in the clock's units, the tokens still to process are the work still to do)
+        tokens = cells.tokens_waiting(j, st.srv[j, :, : 1 + D], now, D)
+        s = jnp.where(initial, s, ln.leaf.choose(tok[3:], per, tokens, valid))
+    pick = jnp.arange(S) == s
+    row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
+    pw, dw = cells.work(j, tok)
+    new_row, c, pf, vstart = serve(row, now, pw, dw, D)
+    if clock is None:
+        p0 = pf - pw  # (the prefill's start)
+    else:  # (back to seconds: the completion, the prefill's start and end, the decode's start)
+        c, p0, pf, vstart = clock.inverse(jnp.stack([c, jnp.maximum(now, row[0]), pf, vstart]))
+    return _Placement(now, per, total, valid, s, pick, row, new_row, c, p0, pf, vstart, pw, dw)
+
+
+def probe_cells(ln: Lane, st: FifoState, t) -> FifoState:
+    """Background probing at `t` (`OnlineEstimation.probing`): each real cell's sample of a
+    request delivered at `t`, with fresh draws, that is not admitted (the probe measures,
+    it does not load: `dlbfluid._requests.estimation`)."""
+    assert st.est is not None and ln.estimation is not None and ln.est is not None
+    n = ln.scn.n_cells
+    key, sub = jr.split(st.est.key)
+    toks = ln.cells.draw(sub, n, st.cand.dtype, ln.leaf.draws)
+    no = jnp.zeros((), bool)
+
+    def one(j, tok):
+        p = _place(ln, st, j, t, tok, no)
+        per_s = jnp.sum(jnp.where(p.pick, p.per, 0))
+        ok = (ln.cells.servers[j] > 0) & jnp.any(p.pick & p.valid) & (per_s < ln.sizes.queue)
+        return p.total, p.c, ok
+
+    total, c, ok = jax.vmap(one)(jnp.arange(n), toks)
+    est = dataclasses.replace(st.est, key=key)
+    cfg, el = ln.estimation, ln.est
+
+    def add(j, e):
+        return est_.record(cfg, el, e, j, total[j], ln.scale, t, c[j], ok[j])
+
+    return dataclasses.replace(st, est=jax.lax.fori_loop(0, n, add, est))
 
 
 def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
@@ -457,8 +534,10 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
     cells_ = jnp.arange(n)[None, :]
     arrivals = s_.arrivals + jnp.sum((i[:, None] == cells_) & (accept & in_win)[:, None], 0)
     drops = s_.drops + jnp.sum((j[:, None] == cells_) & (arc_full & in_win)[:, None], 0)
+    est = st.est if st.est is None else dataclasses.replace(st.est, frac=frac)
     return dataclasses.replace(
         st,
+        est=est,
         ptr=st.ptr + got,
         active=active,
         buffer=buffer,
@@ -516,6 +595,7 @@ def finish(ln: Lane, st: FifoState, k) -> FifoState:
         t_end,
         st.tick_drops,
         st.tick_arrivals,
+        estimate=None if st.est is None else est_.published_model(st.est),
     )
     slot = k % z.ring
     zi = jnp.zeros_like(st.tick_drops)

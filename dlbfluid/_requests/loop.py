@@ -463,13 +463,17 @@ def tick_capacity(scn: Scenario, scale, t_mid, dtype):
     return frac, jnp.where(jnp.isfinite(scn.buffer), b, jnp.inf).astype(dtype)
 
 
-def route(tr, policy_state, obs_ring, probes, k, t_end, tick_drops, tick_arrivals):
+def route(tr, policy_state, obs_ring, probes, k, t_end, tick_drops, tick_arrivals, estimate=None):
     """Every router's update at $t_{k+1}$ = `t_end` (`AbstractPolicy.update`) from the
     tick's probes `(n, n)` $[i, j]$ (in workload units), written into the ring of the update
     they serve, with the replica fractions observed $\\tau_{ij}$ late when the scenario
-    has a schedule. `tr`: a `Trial` or an admission `Lane` (the fields both hold). Returns
-    `(x, xc, policy_state, obs_ring)`."""
+    has a schedule. `tr`: a `Trial` or an admission `Lane` (the fields both hold).
+    `estimate`: the routers' service model when estimated online (`dlbfluid._requests.
+    estimation`; the routers then see no service schedule, only the fit); None: the
+    scenario's. Returns `(x, xc, policy_state, obs_ring)`."""
     setup, scn = tr.setup, tr.scn
+    if estimate is not None:
+        scn = dataclasses.replace(scn, estimate=estimate)
     dtype = probes.dtype
     n = scn.n_cells
     rows = jnp.broadcast_to(jnp.arange(n)[:, None], (n, n))
@@ -486,7 +490,9 @@ def route(tr, policy_state, obs_ring, probes, k, t_end, tick_drops, tick_arrival
         # The observed replica fractions c_j(t_{k+1} - tau_ij) and slowdowns, as the fluid's
         # routers see them (`dlbfluid._simulate.loop`); None without a schedule.
         scale=_cast(observed_fractions(scn, t_end - setup.tau), dtype),
-        slowdown=_cast(observed_slowdown(scn, t_end - setup.tau), dtype),
+        slowdown=None
+        if estimate is not None
+        else _cast(observed_slowdown(scn, t_end - setup.tau), dtype),
         drops=tick_drops.astype(dtype) / tr.scale,
         arrivals=tick_arrivals.astype(dtype) / tr.scale,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -23,6 +24,7 @@ from .._simulate import _hist_len, _setup
 from .._validate import integer, number
 from .._validate import invalid as _bad
 from . import admission as adm
+from . import estimation as est_
 from ._leaf import AbstractLeaf, JoinShortestQueue, PowerOfD, leaf_from_name
 from .fifo import FifoCells, ServiceClock
 from .histogram import LatencyHistogram
@@ -62,6 +64,10 @@ class _Config(eqx.Module):
     leaf: AbstractLeaf = JoinShortestQueue()
     # the probes' smoothing time constant (s; 0: none)
     smoothing: float = 0.0
+    # online estimation (None: the oracle) and its refit and probe periods in ticks
+    estimation: est_.OnlineEstimation | None = None
+    refit_ticks: int = 0
+    probe_ticks: int = 0
 
 
 def _count(field: str, value, minimum: int = 1) -> int:
@@ -169,15 +175,21 @@ def _lane(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> adm.Lane:
             if scn.slowdown_times.shape[-1] > 1
             else None
         ),
+        estimation=cfg.estimation,
+        est=None if cfg.estimation is None else est_.est_lane(cfg.estimation, scn.estimate),
     )
 
 
-def _outputs(st, counts, window: float, utilisation) -> dict:
+def _outputs(st, counts, window: float, utilisation, horizon=None) -> dict:
     """The statistics of one trial from its final state (either kind of cell: `utilisation`
-    is the kind's own)."""
+    is the kind's own); with online estimation (`servers` cells) its report at `horizon`."""
     s = st.stats
     finite = jnp.isfinite(s.latency_sum) & jnp.all(jnp.isfinite(s.area))
+    extra = {}
+    if getattr(st, "est", None) is not None:
+        extra["estimation"] = est_.report(st.est, horizon)
     return dict(
+        **extra,
         count=counts,
         served=s.served,
         latency_sum=s.latency_sum,
@@ -261,7 +273,7 @@ def _run_program(scn, scale, eta, keys, policy, cfg, report=None):
     args = (*jax.tree_util.tree_map(padded, (scn, scale, eta, keys)), real)
     prog = _program if cfg.sizes is None else _fifo_program
     out = per_device(lambda s, k, e, r, m: prog(s, k, e, r, policy, cfg, report, m))(*args)
-    return {name: a[:B] for name, a in out.items()}
+    return jax.tree_util.tree_map(lambda a: a[:B], out)
 
 
 def _program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
@@ -328,7 +340,11 @@ def _fifo_program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
     def chunk(c, carry):
         s0, _ = carry
         a = c * G
-        s, saved = jax.lax.fori_loop(a, jnp.minimum(a + G, K), tick, carry)
+        end = jnp.minimum(a + G, K)
+        if cfg.estimation is None:
+            s, saved = jax.lax.fori_loop(a, end, tick, carry)
+        else:
+            s, saved = _estimated_ticks(ln, a, end, tick, carry, cfg)
         if report is not None:
             _progress(report, real, s0, s)
         return adm.next_chunk(ln, a + G, s), saved
@@ -337,9 +353,73 @@ def _fifo_program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
     window = cfg.horizon - cfg.warmup
 
     def one(ln1, s1, c1):
-        return _outputs(s1, c1, window, adm.utilisation(ln1, s1))
+        return _outputs(s1, c1, window, adm.utilisation(ln1, s1), ln1.horizon)
 
     return jax.vmap(jax.vmap(one, in_axes=(None, 0, 0)), in_axes=(0, 0, 0))(ln, st, counts)
+
+
+def _estimated_ticks(ln, a, end, tick, carry, cfg: _Config):
+    """The ticks `[a, end)` of a chunk with online estimation: cut at every refit and
+    background probe (`dlbfluid._requests.estimation`), which run between ticks as
+    conditionals whose predicate is the same for every lane (no per-lane selection). The
+    chunks, hence the random streams, are the oracle's: a run whose fits are never accepted
+    routes as the oracle's does."""
+    periods = [p for p in (cfg.refit_ticks, cfg.probe_ticks) if p]
+
+    def body(c):
+        pos, inner = c
+        nxt = functools.reduce(jnp.minimum, [(pos // p + 1) * p for p in periods])
+        b = jnp.minimum(nxt, end)
+        s, saved = jax.lax.fori_loop(pos, b, tick, inner)
+        return b, (_estimate(ln, s, b, cfg), saved)
+
+    return jax.lax.while_loop(lambda c: c[0] < end, body, (a, carry))[1]
+
+
+def _estimate(ln, st, b, cfg: _Config):
+    """The background probes and the refit due at tick `b` (conditionals)."""
+    est_cfg = cfg.estimation
+    assert est_cfg is not None
+    t = b.astype(st.cand.dtype) * cfg.tick
+
+    def keep(s):
+        return s.est
+
+    if cfg.probe_ticks:
+        probe = _batched(lambda a, s1: adm.probe_cells(a, s1, t).est)
+        due = b % cfg.probe_ticks == 0
+        st = dataclasses.replace(st, est=jax.lax.cond(due, lambda s: probe(ln, s), keep, st))
+
+    def fit(s):
+        m = b // cfg.refit_ticks
+        return _batched(lambda a, s1: est_.refit(est_cfg, a.est, s1.est, m))(ln, s)
+
+    due = b % cfg.refit_ticks == 0
+    return dataclasses.replace(st, est=jax.lax.cond(due, fit, keep, st))
+
+
+def _estimation_option(estimation, service: str) -> est_.OnlineEstimation | None:
+    """`simulate_requests(estimation=...)` checked: None for the oracle."""
+    if isinstance(estimation, est_.OnlineEstimation):
+        online = estimation
+    elif estimation == "oracle":
+        return None
+    elif estimation == "online":
+        online = est_.OnlineEstimation()
+    else:
+        raise _bad(
+            "estimation",
+            estimation,
+            f"allowed {', '.join(est_.ESTIMATION_MODES)} or an OnlineEstimation",
+        )
+    if service != "servers":
+        raise _bad(
+            "estimation",
+            "online",
+            "online estimation needs service='servers' (markov "
+            "cells do not fix a request's latency at its admission)",
+        )
+    return online
 
 
 def _batch(scenario, scale):
@@ -601,6 +681,7 @@ def simulate_requests(
     histogram: LatencyHistogram = LatencyHistogram(),
     leaf: str | AbstractLeaf = "jsq",
     probe_smoothing: float = 0.0,
+    estimation: str | est_.OnlineEstimation = "oracle",
     dtype=None,
     throw: bool | None = None,
     progress: bool = False,
@@ -658,6 +739,13 @@ def simulate_requests(
     - `probe_smoothing`: $T_s \\ge 0$ (s): the routers see each arc's probes through an
       exponential filter of time constant $T_s$ (`dlbfluid._requests.loop.smooth_probes`;
       theory/requests.md, *Probe smoothing*); 0 (default): the raw probes, bit for bit.
+    - `estimation`: the routers' latency models. `"oracle"` (default): the scenario's
+      `estimate`, fixed. `"online"` or an `OnlineEstimation` (its defaults for
+      `"online"`; `servers` cells only): each cell's model refitted every
+      `refit_period` seconds from the requests completed in the last `window` seconds,
+      with the mitigations it names (`dlbfluid._requests.estimation`; theory/estimation.md,
+      *Estimation in the loop*). The refit and probe periods must be whole numbers of
+      ticks. The result's `estimation` reports the models at the horizon.
     - `dtype`: `jnp.float64` (default; needs JAX's x64 mode, `dlbfluid.enable_x64()`) or
       `jnp.float32`.
     - `throw`: raise on a failed scenario or trial; default True for one scenario.
@@ -687,6 +775,7 @@ def simulate_requests(
         )
     if not isinstance(histogram, LatencyHistogram):
         raise _bad("histogram", histogram, "expected a LatencyHistogram")
+    online = _estimation_option(estimation, service)
     trials = _count("trials", trials)
     seed = _count("seed", seed, 0)
     dtype = jnp.dtype(jnp.float64 if dtype is None else dtype)
@@ -708,6 +797,11 @@ def simulate_requests(
     tau = np.where(np.asarray(scn.allowed), np.asarray(scn.latency), 0.0)
     hist = _hist_len(float(tau.max()) / h)
     sizes = None
+    refit_ticks = probe_ticks = 0
+    if online is not None:
+        refit_ticks = est_.period_ticks(online.refit_period, h, "refit_period")
+        if online.probing > 0:
+            probe_ticks = est_.period_ticks(online.probing, h, "probing")
     if service == "servers":
         sizes, arc_slots, events = _fifo_sizes(scn, k_b, h, K, plan, slots, arc_slots, events, hist)
     else:
@@ -735,6 +829,9 @@ def simulate_requests(
         sizes=sizes,
         leaf=leaf,
         smoothing=smoothing,
+        estimation=online,
+        refit_ticks=refit_ticks,
+        probe_ticks=probe_ticks,
     )
     scn = jax.tree_util.tree_map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn
@@ -745,7 +842,7 @@ def simulate_requests(
     out = _run(scn, jnp.asarray(k_b, dtype), jnp.asarray(eta_b, dtype), keys, pol, cfg, report)
     per = dict(out, scale=jnp.asarray(k_b, dtype), cell_mask=jnp.asarray(scn.cell_mask))
     if not batched:
-        per = {name: a[0] for name, a in per.items()}
+        per = jax.tree_util.tree_map(lambda a: a[0], per)
     sol = RequestSolution(
         t=jnp.asarray(np.asarray(save_ticks) * h, dtype),
         **per,

@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._results import RESULTS, raise_for_status, status_names
 from .._runtime.eager import eager_jit
 from .admission import OVERFLOW_CALENDAR
+from .estimation import EstimationReport
 from .histogram import LatencyHistogram
 from .loop import OVERFLOW_ARCS, OVERFLOW_CELLS, OVERFLOW_EVENTS
 
@@ -51,6 +52,8 @@ class RequestSolution(eqx.Module):
       which fixed-size array overflowed (bits: 1 cell slots or server queues, 2 arcs,
       4 events of a tick, 8 far completions of `servers` cells).
     - `events`: event-loop iterations; `scale`: `(B,)` the scale $k$; `window`: $T - t_w$.
+    - `estimation`: with online estimation, the cells' latency models at the horizon
+      (`EstimationReport`: published parameters, window samples, age); None for the oracle.
     """
 
     t: Float[Array, " S"]
@@ -73,6 +76,7 @@ class RequestSolution(eqx.Module):
     histogram_bins: LatencyHistogram = eqx.field(static=True)
     policy: str = eqx.field(static=True, default="")
     service: str = eqx.field(static=True, default="markov")
+    estimation: EstimationReport | None = None
 
     def scenario(self, b: int) -> RequestSolution:
         """The trials of scenario `b` of a batched solution."""
@@ -80,7 +84,10 @@ class RequestSolution(eqx.Module):
             raise ValueError("scenario() needs a batched solution (axes scenarios x trials)")
         fields = [f.name for f in dataclasses.fields(self) if f.name != "t"]
         arrays = {f: getattr(self, f) for f in fields if isinstance(getattr(self, f), jax.Array)}
-        return dataclasses.replace(self, **{f: a[b] for f, a in arrays.items()})
+        est = self.estimation
+        if est is not None:
+            est = jax.tree_util.tree_map(lambda a: a[b], est)
+        return dataclasses.replace(self, **{f: a[b] for f, a in arrays.items()}, estimation=est)
 
     def density(self):
         """Saved counts divided by the scale $k$: $N^k/k$, the fluid's units."""
@@ -184,4 +191,9 @@ class RequestSolution(eqx.Module):
                 }
                 for j in range(n)
             ],
+            **(
+                {}
+                if self.estimation is None
+                else {"estimation": {"cells": self.estimation.cells(n)}}
+            ),
         }

@@ -208,13 +208,26 @@ def _normalise(N, y):
     return N / n_scale, y / y_scale, n_scale, y_scale
 
 
-def _initial_theta(n, y):
+def _initial_theta(n, y, weight=None):
     """Data-driven start (normalised units): flat level from the lowest workloads, linear
-    asymptote from a line through the highest ones, knee where the two meet."""
-    lo = n <= jnp.quantile(n, _LO_QUANTILE)
-    L0 = jnp.exp(jnp.sum(jnp.where(lo, jnp.log(y), 0.0)) / jnp.maximum(jnp.sum(lo), 1))
-    hi = n >= jnp.quantile(n, _HI_QUANTILE)
-    w = hi / jnp.maximum(jnp.sum(hi), 1)
+    asymptote from a line through the highest ones, knee where the two meet. `weight`:
+    samples per point (binned samples, ordered by workload; quantiles by weight)."""
+    if weight is None:
+        lo = n <= jnp.quantile(n, _LO_QUANTILE)
+        hi = n >= jnp.quantile(n, _HI_QUANTILE)
+    else:
+        total = jnp.maximum(jnp.sum(weight), 1e-300)
+        cum = jnp.cumsum(weight)
+        has = weight > 0
+        first = jnp.arange(n.shape[0]) == jnp.argmax(has)
+        lo = has & ((cum <= _LO_QUANTILE * total) | first)
+        hi = has & (cum - weight >= _HI_QUANTILE * total)
+        hi = jnp.where(jnp.any(hi), hi, has & (cum >= total))  # (else the last point)
+        lo, hi = lo * weight, hi * weight
+    L0 = jnp.exp(
+        jnp.sum(jnp.where(lo > 0, lo * jnp.log(y), 0.0)) / jnp.maximum(jnp.sum(lo), 1e-300)
+    )
+    w = hi / jnp.maximum(jnp.sum(hi), 1e-300)
     nm, ym = jnp.sum(w * n), jnp.sum(w * y)
     var = jnp.sum(w * (n - nm) ** 2)
     slope = jnp.sum(w * (n - nm) * (y - ym)) / jnp.maximum(var, 1e-30)
@@ -393,6 +406,84 @@ def fit_latency_model(
         status=status.reshape(cells),
     )
     return service, info
+
+
+def _levenberg_marquardt(n, logy, w, r0, iters):
+    """Levenberg-Marquardt on the weighted log residuals $\\sqrt{w_b}(\\log\\ell(n_b;
+    \\mathrm{sp}(r)) - \\log y_b)$ in the raw coordinates $r$ (normalised units): `iters`
+    steps $(J^TJ + \\lambda\\,\\mathrm{diag}(J^TJ))\\delta = -J^Tr$, a step kept only if it
+    lowers the loss ($\\lambda/3$, else $2\\lambda$). Returns `(r, loss, gradient norm)`."""
+    sw = jnp.sqrt(w)
+
+    def resid(r):
+        return sw * (jnp.log(_latency_theta(_theta_from_raw(r), n)) - logy)
+
+    eye = jnp.eye(_N_PARAMS, dtype=r0.dtype)
+
+    def body(_, c):
+        r, res, f, lam = c
+        J = jax.jacfwd(resid)(r)
+        A = J.T @ J
+        g = J.T @ res
+        step = jnp.linalg.solve(A + lam * (A * eye + 1e-12 * eye), -g)
+        r2 = r + step
+        res2 = resid(r2)
+        f2 = jnp.sum(res2 * res2)
+        ok = jnp.isfinite(f2) & jnp.all(jnp.isfinite(r2)) & (f2 < f)
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        return keep(r2, r), keep(res2, res), keep(f2, f), jnp.where(ok, lam / 3.0, 2.0 * lam)
+
+    res0 = resid(r0)
+    init = (r0, res0, jnp.sum(res0 * res0), jnp.asarray(1e-3, r0.dtype))
+    r, res, f, _ = jax.lax.fori_loop(0, iters, body, init)
+    g = jax.jacfwd(resid)(r).T @ res
+    return r, f, 2.0 * jnp.max(jnp.abs(g))
+
+
+def fit_binned(N, logy, weight, theta0, steps, gtol=1e-8):
+    """One cell's softplus fit to binned samples (traceable; the online estimation's refit,
+    `dlbfluid._requests.estimation`).
+
+    Minimises $\\sum_b w_b(\\log\\ell(\\bar N_b;\\theta) - \\bar y_b)^2/\\sum_b w_b$: bin $b$
+    holds $w_b$ samples of mean workload $\\bar N_b$ and mean log-latency $\\bar y_b$. Up to a
+    constant (the spread of $\\log y$ inside each bin) this is `fit_latency_model`'s loss
+    with each sample's workload moved to its bin's mean, which changes $\\log\\ell$ by a
+    second-order term in the bin's width (theory/estimation.md, *Binned samples*). The
+    data are normalised as `fit_latency_model`'s. Two starts of `steps` Levenberg-Marquardt
+    steps each (`_levenberg_marquardt`), the lower loss kept: from $\\theta_0 = (a_0,
+    \\beta, N_0, s)$ (the last fit), and from `fit_latency_model`'s data-driven start
+    (quantiles by weight). The loss is not convex, and a start far from the data (a cell
+    that has slowed) can end on the boundary $a_0 \\to 0$ of the parametrisation.
+
+    **Returns:** `(theta, loss, status)`: $\\theta$ `(4,)` in natural units, the loss and
+    a `FIT_STATUS` code (`success` when the gradient's norm is at most `gtol` in
+    normalised units, `not_converged` otherwise, `nonfinite` where no bin holds a sample or
+    the fit is not finite).
+    """
+    wsum = jnp.sum(weight)
+    wn = weight / jnp.where(wsum > 0, wsum, 1.0)
+    has = weight > 0
+    n_max = jnp.max(jnp.where(has, N, 0.0))
+    n_scale = jnp.where(n_max > 0, n_max, 1.0)
+    log_scale = jnp.sum(wn * jnp.where(has, logy, 0.0))
+    ly = jnp.where(has, logy - log_scale, 0.0)
+    y_scale = jnp.exp(log_scale)
+    n = N / n_scale
+    a0, beta, knee, width = theta0
+    th_n = jnp.stack([a0 / y_scale, beta * n_scale / y_scale, knee / n_scale, width / n_scale])
+    starts = jnp.stack([_raw_from_theta(th_n), _raw_from_theta(_initial_theta(n, jnp.exp(ly), wn))])
+    r, f, g = jax.vmap(lambda r0: _levenberg_marquardt(n, ly, wn, r0, steps))(starts)
+    best = jnp.argmin(jnp.where(jnp.isfinite(f), f, jnp.inf))
+    th = _theta_from_raw(r[best])
+    f, g = f[best], g[best]
+    theta = jnp.stack(
+        [th[0] * y_scale, th[1] * y_scale / n_scale, th[2] * n_scale, th[3] * n_scale]
+    )
+    finite = jnp.isfinite(f) & jnp.all(jnp.isfinite(theta)) & (wsum > 0)
+    status = jnp.where(
+        ~finite, RESULTS.nonfinite, jnp.where(g <= gtol, RESULTS.success, RESULTS.not_converged)
+    )
+    return theta, f, status
 
 
 # --- 3. estimation-noise injection -------------------------------------------------
