@@ -243,3 +243,35 @@ def test_without_probes_a_starved_cell_has_no_samples(three):
         sol.summary()["estimation"]["cells"]  # fmt: skip
     assert [sorted(c) for c in cells] == [["age", "late", "params", "samples"]] * 3
     assert cells[2]["samples"] == 0 and cells[2]["age"] == 40.0
+
+
+def test_experiment_summary_counts_stale_runs():
+    # Four runs of one policy, their oldest models 0, 5, 60 and 120 s old at the horizon,
+    # two of them with a stale cell (a model at least a window old): the summary's
+    # percentiles by numpy's linear rule, the maximum, and the stale runs and cells.
+    from dlbfluid._evaluation.experiment import summarise
+
+    rows = []
+    for trial, (age, stale) in enumerate([(0, 0), (5, 0), (60, 1), (120, 2)]):
+        for policy in ("rand", "flow-lat"):
+            rows.append({
+                "variant": "baseline", "policy": policy, "scenario": 0, "trial": trial,
+                "status": "success", "mean_latency": "1.0", "error_rate": "0",
+                "p90_latency": "2.0", "fluid_status": "success", "fluid_mean_latency": "1.0",
+                "fluid_error_rate": "0", "estimate_age_max": str(age),
+                "estimate_samples_min": "0", "estimate_stale_cells": str(stale),
+            })  # fmt: skip
+    (row,) = [r for r in summarise(rows, ("rand", "flow-lat"), "requests") if r["policy"] != "rand"]
+    assert row["estimation"] == {
+        "runs": 4,
+        "age_max_p50": 32.5,
+        "age_max_p90": pytest.approx(102.0),
+        "age_max": 120.0,
+        "stale_runs": 2,
+        "stale_cells_mean": 0.75,
+    }
+    # negative control: oracle rows (no estimation columns) have no estimation object
+    for r in rows:
+        for f in ("estimate_age_max", "estimate_samples_min", "estimate_stale_cells"):
+            del r[f]
+    assert all("estimation" not in r for r in summarise(rows, ("rand", "flow-lat"), "requests"))

@@ -415,11 +415,20 @@ def run_experiment(
 def _finish(cfg: ExperimentConfig, out: Path, results: CsvRows, order: list[str]) -> dict:
     """Write `summary.csv`, `summary.json` and the plot from `results`; the summary."""
     summary = summarise(results.read(), order, cfg.model)
+    # (summary.csv flattens a nested object: `estimation.age_max` -> `estimation_age_max`)
+    flat = [
+        {
+            f"{k}_{kk}" if isinstance(v, dict) else k: vv
+            for k, v in row.items()
+            for kk, vv in (v.items() if isinstance(v, dict) else [(None, v)])
+        }
+        for row in summary
+    ]
     with open(out / "summary.csv", "w", newline="") as f:
-        if summary:
-            w = csv.DictWriter(f, fieldnames=list(summary[0]))
+        if flat:
+            w = csv.DictWriter(f, fieldnames=list(flat[0]))
             w.writeheader()
-            w.writerows(summary)
+            w.writerows(flat)
     result = {"experiment": cfg.experiment, "config": cfg.to_json(), "summary": summary}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     level = f" (request level, {cfg.service})" if cfg.model == "requests" else ""
