@@ -34,6 +34,15 @@ $\\kappa_c/\\bar\\tau_i$ (theory/evaluation.md), or a fraction of each scenario'
 VERIFY_LADDERS = ("none", "full")
 """Theorem-1 ladders of `verify`: the certificate alone, or the fitted bound too
 (`dlbfluid._theorem1`)."""
+ESTIMATION_MODES = ("oracle", "online")
+"""The routers' latency models at request level (`simulate_requests(estimation=...)`,
+`--estimation`): the scenario's, fixed, or refitted in the loop."""
+
+MITIGATION_DEFAULTS = {"background-probing": 1.0, "shrinkage": 64.0, "dithering": 0.1}
+"""A mitigation of online estimation named without a value (`--mitigation NAME`, the
+`recovery` experiment's variants): a probe per cell every second, a prior worth 64
+samples, log-normal noise of sigma 0.1 on the published latency."""
+
 DURATION_SCALES = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0)
 """The duration scalings $y$ of seed App. B.2 (token time / y, arrival rate x y), of the
 generator and of the `duration` experiment kind."""

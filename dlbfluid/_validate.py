@@ -114,3 +114,30 @@ def check_search_range(value, field: str) -> tuple[float, float]:
     if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo < hi):
         raise invalid(field, value, "expected two numbers LO HI with 0 < LO < HI")
     return lo, hi
+
+
+def period_ticks(period: float, tick: float, field: str) -> int:
+    """`period` (s) as a whole number (>= 1) of ticks, or `ValueError` naming `field`."""
+    m = period / tick
+    if round(m) < 1 or abs(m - round(m)) > 1e-9 * m:
+        raise ValueError(
+            f"{field} = {period!r} is invalid: expected a whole number of ticks (tick = {tick})"
+        )
+    return int(round(m))
+
+
+def check_estimation(refit_period, window, probing=0.0, shrinkage=0.0, dithering=0.0) -> None:
+    """Online estimation's numbers (`dlbfluid._requests.estimation.OnlineEstimation`, the
+    experiment's configuration): `refit_period` and `window` > 0, the window a whole number
+    of refit periods, `probing` and `shrinkage` >= 0, `dithering` in [0, 2]."""
+    number("refit_period", refit_period, lo=0.0, lo_open=True)
+    number("window", window, lo=0.0, lo_open=True)
+    lag = window / refit_period
+    if abs(lag - round(lag)) > 1e-9 * lag or round(lag) < 1:
+        raise ValueError(
+            f"window = {window!r} is invalid: expected a whole number "
+            f"(>= 1) of refit periods (refit_period = {refit_period})"
+        )
+    number("probing", probing, lo=0.0)
+    number("shrinkage", shrinkage, lo=0.0)
+    number("dithering", dithering, lo=0.0, hi=2.0)

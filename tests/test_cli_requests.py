@@ -426,7 +426,7 @@ def test_experiment_passes_online_estimation_and_fingerprints_it(monkeypatch):
         estimation="online", refit_period="2.5", estimation_window=None,
         mitigation=["shrinkage=32", "background-probing"])  # fmt: skip
     cfg = _config(args)
-    assert cfg.online_estimation() == OnlineEstimation(
+    assert ex.online_estimation(cfg) == OnlineEstimation(
         refit_period=2.5, window=60.0, probing=1.0, shrinkage=32.0
     )
     fp = cfg.to_json()
@@ -461,7 +461,7 @@ def test_experiment_passes_online_estimation_and_fingerprints_it(monkeypatch):
 
     monkeypatch.setattr(ex, "simulate_requests", stub)
     *_, est = ex._simulate_requests_unit(cfg, None, "rand", None, None, 0.005)
-    assert seen["estimation"] == cfg.online_estimation()
+    assert seen["estimation"] == ex.online_estimation(cfg)
     # (the padded third cell is left out: the oldest real model is 60 s, one of them stale)
     assert (est["age_max"][0], est["samples_min"][0], est["stale"][0]) == (60.0, 0, 1)
 

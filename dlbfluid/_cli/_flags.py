@@ -20,7 +20,7 @@ SIMULATE_REQUESTS = {
     "probe_smoothing": "--probe-smoothing",
     "estimation": "--estimation",
     "refit_period": "--refit-period",
-    "probing": "--mitigation background-probing",
+    "probing": "--mitigation",
     "scale": "--scale",
     "trials": "--trials",
     "seed": "--seed",
@@ -56,9 +56,9 @@ EXPERIMENT = {
     "refit_period": "--refit-period",
     "estimation_window": "--estimation-window",
     "mitigation": "--mitigation",
-    "probing": "--mitigation background-probing",
-    "shrinkage": "--mitigation shrinkage",
-    "dithering": "--mitigation dithering",
+    "probing": "--mitigation",
+    "shrinkage": "--mitigation",
+    "dithering": "--mitigation",
 }
 """`ExperimentConfig`'s fields (and its manifest's) and the options of `dlbfluid experiment`."""
 

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from .._defaults import SIMULATE_HORIZON
+from .._defaults import MITIGATION_DEFAULTS, SIMULATE_HORIZON
 from ._common import (
     SEED_MAX,
     add_process_options,
@@ -211,10 +211,6 @@ def add_estimation_flags(g) -> None:
     )
 
 
-MITIGATION_DEFAULTS = {"background-probing": 1.0, "shrinkage": 64.0, "dithering": 0.1}
-"""`--mitigation NAME` without a value: a probe per cell every second, a prior worth 64
-samples, log-normal noise of sigma 0.1 (docs/cli.md)."""
-
 _MITIGATION_FIELDS = {
     "background-probing": "probing",
     "shrinkage": "shrinkage",
@@ -226,7 +222,9 @@ def estimation_option(args, service: str):
     """The checked `--estimation`, `--refit-period`, `--estimation-window` and
     `--mitigation`: None for the oracle, else an `OnlineEstimation`; one-line refusals
     naming the option."""
-    from .._requests.estimation import ESTIMATION_MODES, OnlineEstimation, period_ticks
+    from .._defaults import ESTIMATION_MODES
+    from .._requests.estimation import OnlineEstimation
+    from .._validate import period_ticks
 
     mode = getattr(args, "estimation", None) or "oracle"
     if mode not in ESTIMATION_MODES:

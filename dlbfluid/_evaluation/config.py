@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._defaults import DURATION_SCALES, PROBE_TICK, STEP_RULES
+from .._defaults import (
+    DURATION_SCALES,
+    ESTIMATION_MODES,
+    MITIGATION_DEFAULTS,
+    PROBE_TICK,
+    STEP_RULES,
+)
 from .._registry import BUILTIN_POLICIES
 from .._registry import POLICIES as _REGISTRY
-from .._validate import integer, number
+from .._validate import check_estimation, integer, number, period_ticks
 
 POLICIES = ("rand", "mnlb") + tuple(p for p in BUILTIN_POLICIES if p not in ("rand", "mnlb"))
 """The default policies, baselines first (any registered policy may be named)."""
@@ -39,8 +45,18 @@ KINDS = (
     "homogeneous",
     "heterogeneity",
     "tick",
+    "recovery",
 )
 """Experiment kinds (`dlbfluid experiment KIND`)."""
+
+RECOVERY_SLOWDOWN = (3.0, 0.3, 0.5)
+"""The `recovery` kind's slowdown: one cell of each scenario serves 3x slower from 30% to
+50% of the horizon (issue 42, item 3)."""
+RECOVERY_SAVE = 10.0
+"""Seconds per interval of the `recovery` kind's traffic shares."""
+RECOVERY_TOLERANCE = 0.1
+"""The `recovery` kind: a run has recovered once the slowed cell's traffic share stays
+within this fraction of the oracle run's."""
 
 MODELS = ("fluid", "requests")
 """What an experiment simulates: the fluid model (`simulate`), or the request-level twin
@@ -51,7 +67,7 @@ LEAVES = ("jsq", "pod")
 """The leaf rules of `servers` cells (`dlbfluid._requests._leaf.LEAF_RULES`)."""
 REQUEST_KINDS = KINDS
 """The kinds the request-level twin runs: all of them (`simulate_requests` follows the
-outage's replica schedule)."""
+outage's replica schedule); `recovery` runs at request level only, in `servers` cells."""
 
 
 STEP_RULE_KAPPA = {"rif": 10**-4.25, "latency": 10**-1.75, "gradient": 10**-2.5}
@@ -66,7 +82,10 @@ RIF's (requests per replica) is far smaller than latency's and gradient's (secon
 def variants(kind: str) -> list[tuple[str, dict]]:
     """The `(label, options)` variants of an experiment kind. Options: `utilisation`,
     `duration_scale`, `token_time_cv` (generator), `event` (App. B.3), `noise` or `fit`
-    (routers' models), `tick` (the variant's own tick)."""
+    (routers' models), `tick` (the variant's own tick), `slowdown` (factor, start and end
+    as fractions of the horizon: a service schedule on one cell, `RECOVERY_SLOWDOWN`) and
+    `estimation` (online estimation's fields beside the configuration's refit period and
+    window: the `recovery` kind's oracle, online and mitigated variants)."""
     if kind == "baseline":
         return [("baseline", {})]
     if kind == "utilization":
@@ -81,6 +100,12 @@ def variants(kind: str) -> list[tuple[str, dict]]:
         return [("homogeneous", {"token_time_cv": 0.0})]
     if kind == "heterogeneity":
         return [(f"cv={c:g}", {"token_time_cv": c}) for c in HETEROGENEITY_CVS]
+    if kind == "recovery":
+        slow: dict = {"slowdown": RECOVERY_SLOWDOWN}
+        return [("oracle", slow), ("online", {**slow, "estimation": {}})] + [
+            (m, {**slow, "estimation": {_MITIGATION_FIELD[m]: v}})
+            for m, v in MITIGATION_DEFAULTS.items()
+        ]
     if kind == "tick":
         y = TICK_DURATION_SCALE
         return [(f"h={1e3 * h:g}ms", {"tick": h}) for h in TICKS] + [
@@ -115,7 +140,7 @@ class ExperimentConfig:
     `"online"` with `servers` cells: the latency models refitted in the loop every
     `refit_period` s over `estimation_window` s, with the mitigations `probing` (s between
     background probes), `shrinkage` (the prior's weight in samples) and `dithering`
-    ($\\sigma$), each off at 0; `online_estimation`).
+    ($\\sigma$), each off at 0; `mitigations`).
 
     `to_json` (the directory's fingerprint) leaves `model` and `service` out for a fluid
     run, so that a fluid experiment's configuration is the one recorded before the
@@ -224,6 +249,15 @@ class ExperimentConfig:
                 f"leaf = {self.leaf!r} is invalid with service = {self.service!r}: leaf rules "
                 "choose among a cell's servers (service 'servers')"
             )
+        if self.experiment == "recovery" and (
+            self.model != "requests" or self.service != "servers" or self.estimation != "oracle"
+        ):
+            raise ValueError(
+                "experiment = 'recovery' is invalid with "
+                f"model = {self.model!r}, service = {self.service!r}, estimation = "
+                f"{self.estimation!r}: it runs at request level in servers cells (model "
+                "'requests', service 'servers'), its variants setting the estimation"
+            )
         if self.model == "requests" and self.experiment not in REQUEST_KINDS:
             raise ValueError(
                 f"model = 'requests' is invalid for experiment = {self.experiment!r}: "
@@ -245,8 +279,6 @@ class ExperimentConfig:
         object.__setattr__(self, "policies", pols)
 
     def _check_estimation(self) -> None:
-        from .._requests.estimation import ESTIMATION_MODES, period_ticks
-
         if self.estimation not in ESTIMATION_MODES:
             raise ValueError(
                 f"estimation = {self.estimation!r} is invalid: allowed {list(ESTIMATION_MODES)}"
@@ -258,37 +290,32 @@ class ExperimentConfig:
                         f"{f} = {getattr(self, f)!r} is invalid with estimation = 'oracle': "
                         "it sets online estimation"
                     )
-            return
-        if self.service != "servers":
+        elif self.service != "servers":
             raise ValueError(
                 f"estimation = 'online' is invalid with service = {self.service!r}: markov "
                 "cells do not fix a request's latency at its admission (service 'servers')"
             )
-        online = self.online_estimation()
-        assert online is not None
         for _, opts in self.run_variants():
+            # (the configuration's online estimation, or a recovery variant's)
+            if self.estimation == "oracle" and "estimation" not in opts:
+                continue
+            mit = self.mitigations(opts.get("estimation"))
+            try:
+                check_estimation(self.refit_period, self.estimation_window, **mit)
+            except ValueError as e:
+                raise ValueError(str(e).replace("window =", "estimation_window =", 1)) from None
             h = opts.get("tick", self.tick)
-            period_ticks(online.refit_period, h, "refit_period")
-            if online.probing > 0:
-                period_ticks(online.probing, h, "probing")
+            period_ticks(self.refit_period, h, "refit_period")
+            if mit["probing"] > 0:
+                period_ticks(mit["probing"], h, "probing")
 
-    def online_estimation(self):
-        """The `OnlineEstimation` of an online run (None for the oracle); its refusals
-        name the field (`estimation_window` for its `window`)."""
-        from .._requests.estimation import OnlineEstimation
-
-        if self.estimation == "oracle":
-            return None
-        try:
-            return OnlineEstimation(
-                refit_period=self.refit_period,
-                window=self.estimation_window,
-                probing=self.probing,
-                shrinkage=self.shrinkage,
-                dithering=self.dithering,
-            )
-        except ValueError as e:
-            raise ValueError(str(e).replace("window =", "estimation_window =", 1)) from None
+    def mitigations(self, variant: dict | None = None) -> dict:
+        """`{"probing", "shrinkage", "dithering"}` of an online run: the configuration's,
+        or those a variant's `estimation` options set (the `recovery` kind's; the others
+        0)."""
+        if variant is None:
+            return {f: getattr(self, f) for f in ("probing", "shrinkage", "dithering")}
+        return {"probing": 0.0, "shrinkage": 0.0, "dithering": 0.0, **variant}
 
     def run_variants(self) -> list[tuple[str, dict]]:
         """The `(label, options)` variants this configuration runs: the kind's
@@ -320,6 +347,9 @@ _TWIN_DEFAULTS = {
                   "estimation_window", "probing", "shrinkage", "dithering")
 }  # fmt: skip
 """The request-level options of `ExperimentConfig` and their defaults (the fields')."""
+
+_MITIGATION_FIELD = {"background-probing": "probing", "shrinkage": "shrinkage",
+                     "dithering": "dithering"}  # fmt: skip
 
 _ESTIMATION_FIELDS = ("refit_period", "estimation_window", "probing", "shrinkage", "dithering")
 """The fields that set online estimation (refused with `estimation = "oracle"`)."""

@@ -39,6 +39,7 @@ from .._policies.aversion import ErrorAversion
 from .._precision import require_x64
 from .._requests import simulate_requests
 from .._requests._leaf import PowerOfD
+from .._requests.estimation import OnlineEstimation
 from .._runtime import CsvRows, Sweep
 from .._runtime.distributed import Processes
 from .._runtime.manifest import MANIFEST, open_manifest, resume_note
@@ -49,7 +50,7 @@ from .._simulate import simulate
 from .._stability import batch_critical_step_size
 from .config import KINDS as KINDS
 from .config import POLICIES as POLICIES
-from .config import ExperimentConfig
+from .config import RECOVERY_SAVE, RECOVERY_SLOWDOWN, RECOVERY_TOLERANCE, ExperimentConfig
 from .generator import TOKEN_TIME_CV, _generate_kept, scenario_dicts
 from .step_rule import padded, paper_step_sizes
 
@@ -83,12 +84,21 @@ fit), the fewest samples in a cell's last window, and the cells whose model is a
 window old (no accepted fit in the last window: starved or censored out)."""
 
 
+RECOVERY_FIELDS = ESTIMATION_FIELDS + ("slowed_cell", "slowed_share")
+"""The columns of a `recovery` experiment: `ESTIMATION_FIELDS` (empty for the oracle
+variant), the slowed cell's index, and its share of the requests delivered in each interval
+of `RECOVERY_SAVE` seconds (space-separated, 6 significant digits; `nan` for an interval
+without deliveries): what `recovery_times` compares with the oracle run's."""
+
+
 def fields(cfg: ExperimentConfig) -> tuple[str, ...]:
     """The columns of `cfg`'s `results.csv`: `FIELDS`, plus `REQUEST_FIELDS` at request
     level (a fluid run's file is the one written before the twin existed), plus
-    `ESTIMATION_FIELDS` with online estimation."""
+    `ESTIMATION_FIELDS` with online estimation (`RECOVERY_FIELDS` for `recovery`)."""
     if cfg.model != "requests":
         return FIELDS
+    if cfg.experiment == "recovery":
+        return FIELDS + REQUEST_FIELDS + RECOVERY_FIELDS
     extra = ESTIMATION_FIELDS if cfg.estimation == "online" else ()
     return FIELDS + REQUEST_FIELDS + extra
 
@@ -112,6 +122,7 @@ def _variant_batch(cfg: ExperimentConfig, options: dict):
         token_time_cv=options.get("token_time_cv", TOKEN_TIME_CV),
     )
     event = options.get("event", "none")
+    slowdown = options.get("slowdown")
     nominal = [
         scenario_from_dict(d) for d in scenario_dicts(gen, horizon=cfg.horizon, fluctuation=0.0)
     ]
@@ -119,6 +130,16 @@ def _variant_batch(cfg: ExperimentConfig, options: dict):
         scenario_dicts(gen, event=event, trial=t, horizon=cfg.horizon, fluctuation=cfg.fluctuation)
         for t in range(cfg.trials)
     ]
+    if slowdown is not None:
+        # The recovery kind: one real cell of each scenario, the first of the outage's
+        # order (drawn at draw time), serves `factor` times slower on [start, end) x horizon.
+        factor, start, end = slowdown
+        schedule = {"times": [0.0, start * cfg.horizon, end * cfg.horizon],
+                    "factors": [1.0, factor, 1.0]}  # fmt: skip
+        for dicts in per_trial:
+            for s, d in enumerate(dicts):
+                j = next(int(o) for o in gen.outage_order[s] if gen.mask[s, o])
+                d["cells"][j]["service_schedule"] = dict(schedule)
     scns = []
     for s in range(cfg.scenarios):
         for t in range(cfg.trials):
@@ -249,7 +270,64 @@ SUMMARY_FIELDS = (
 )
 
 
-def summarise(rows: list[dict], policies=POLICIES, model: str = "fluid") -> list[dict]:
+def recovery_time(share, oracle, horizon: float, end: float = RECOVERY_SLOWDOWN[2]):
+    """The time from the slowdown's end $t_r$ = `end` x `horizon` until the slowed cell's
+    traffic share `share` `(S,)` (per interval of `horizon`/S) stays within
+    `RECOVERY_TOLERANCE` of the oracle run's `oracle` (relative) to the horizon, in whole
+    intervals: 0 when it never leaves it, None when the last interval is still outside
+    (censored: the time exceeds $T - t_r - T/S$). An interval without deliveries (NaN) in
+    either run counts as outside."""
+    s, o = np.asarray(share, float), np.asarray(oracle, float)
+    S = s.shape[0]
+    dt = horizon / S
+    k_r = int(round(end * horizon / dt))
+    with np.errstate(invalid="ignore"):
+        ok = np.abs(s - o) <= RECOVERY_TOLERANCE * o
+    bad = np.flatnonzero(~ok[k_r:])
+    if bad.size == 0:
+        return 0.0
+    last = k_r + int(bad[-1])
+    return None if last == S - 1 else (last + 1) * dt - end * horizon
+
+
+def _recovery_summary(mine: list[dict], oracle: dict, horizon: float) -> dict | None:
+    """The `recovery_time` object of one (variant, policy): its runs paired with the oracle
+    variant's (same policy, scenario, trial), recovered or censored (module docstring of
+    `recovery_time`); quantiles of the censored runs are bounds, reported as null."""
+    times, paired = [], 0
+    for r in mine:
+        ref = oracle.get((r["policy"], r["scenario"], r["trial"]))
+        if ref is None or r["status"] != "success" or ref["status"] != "success":
+            continue
+        paired += 1
+        share = [float(x) for x in r["slowed_share"].split()]
+        base = [float(x) for x in ref["slowed_share"].split()]
+        t = recovery_time(share, base, horizon)
+        times.append(math.inf if t is None else t)
+    if not paired:
+        return None
+    S = len(mine[0]["slowed_share"].split())
+    bound = horizon * (1.0 - RECOVERY_SLOWDOWN[2]) - horizon / S
+    finite = [t for t in times if math.isfinite(t)]
+
+    def q(p):
+        v = float(np.percentile(times, p, method="inverted_cdf"))
+        return v if math.isfinite(v) else None
+
+    return {
+        "runs": paired,
+        "recovered": len(finite),
+        "censored": paired - len(finite),
+        "censored_above_s": bound,
+        "mean_recovered_s": float(np.mean(finite)) if finite else None,
+        "p50_s": q(50),
+        "p90_s": q(90),
+    }
+
+
+def summarise(
+    rows: list[dict], policies=POLICIES, model: str = "fluid", horizon: float | None = None
+) -> list[dict]:
     """Per `(variant, policy)`: mean latency normalised by Rand's on the same scenario and
     trial, its mean and 10/50/90th percentiles across scenarios x trials, the raw mean
     latency and the error rate (mean and 90th percentile). Failed runs are counted, not
@@ -264,7 +342,11 @@ def summarise(rows: list[dict], policies=POLICIES, model: str = "fluid") -> list
     fluid runs succeeded). Rows with `ESTIMATION_FIELDS` (online estimation) add
     `estimation`: the runs counted, the 50th and 90th percentiles and the maximum of each
     run's oldest model (s), the runs with a stale cell (a model at least a window old) and
-    the mean number of stale cells per run."""
+    the mean number of stale cells per run. Rows with `slowed_share` (the `recovery`
+    kind, `horizon` given) add `recovery_time` to each variant but `oracle`
+    (`_recovery_summary`: runs paired with the oracle variant's, recovered, censored with
+    their bound, the mean of the recovered, p50 and p90 with censored runs counted as
+    infinite, null where the quantile is censored); the oracle variant's is null."""
     by = {}
     for r in rows:
         by[(r["variant"], r["policy"], r["scenario"], r["trial"])] = r
@@ -309,6 +391,15 @@ def summarise(rows: list[dict], policies=POLICIES, model: str = "fluid") -> list
                     "fluid_error_rate": m(ferr),
                     "model": model,
                 }
+            if horizon is not None and mine and "slowed_share" in mine[0]:
+                ref = {
+                    (r["policy"], r["scenario"], r["trial"]): r
+                    for r in rows
+                    if r["variant"] == "oracle"
+                }
+                extra["recovery_time"] = (
+                    None if v == "oracle" else _recovery_summary(mine, ref, horizon)
+                )
             if ages:
                 extra["estimation"] = {
                     "runs": len(ages),
@@ -414,7 +505,7 @@ def run_experiment(
 
 def _finish(cfg: ExperimentConfig, out: Path, results: CsvRows, order: list[str]) -> dict:
     """Write `summary.csv`, `summary.json` and the plot from `results`; the summary."""
-    summary = summarise(results.read(), order, cfg.model)
+    summary = summarise(results.read(), order, cfg.model, cfg.horizon)
     # (summary.csv flattens a nested object: `estimation.age_max` -> `estimation_age_max`)
     flat = [
         {
@@ -426,7 +517,7 @@ def _finish(cfg: ExperimentConfig, out: Path, results: CsvRows, order: list[str]
     ]
     with open(out / "summary.csv", "w", newline="") as f:
         if flat:
-            w = csv.DictWriter(f, fieldnames=list(flat[0]))
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in flat for k in row)))
             w.writeheader()
             w.writerows(flat)
     result = {"experiment": cfg.experiment, "config": cfg.to_json(), "summary": summary}
@@ -497,7 +588,7 @@ def _unit_rows(cfg: ExperimentConfig, unit, variant_batch, procs: Processes, sho
     if cfg.model == "requests":
         fluid = {f"f_{k}": a for k, a in runs.items()}
         lat, p90, err, status, est = _simulate_requests_unit(
-            cfg, mine, pol, eta[lo:hi], averse, tick
+            cfg, mine, pol, eta[lo:hi], averse, tick, opts
         )
         runs = {"lat": lat, "p90": p90, "err": err, "status": status, **est, **fluid}
     n_cells = masks.sum(axis=-1)
@@ -528,11 +619,18 @@ def _row(cfg: ExperimentConfig, common: dict, st, run: dict, n_cells: int, util,
             "fluid_error_rate": f"{run['f_err']:.10g}" if f_ok else "",
             "fluid_status": f_state,
         }
-        if cfg.estimation == "online":
+        if "age_max" in run:
             extra.update(
                 estimate_age_max=f"{run['age_max']:.10g}",
                 estimate_samples_min=str(int(run["samples_min"])),
                 estimate_stale_cells=str(int(run["stale"])),
+            )
+        elif cfg.experiment == "recovery":
+            extra.update(estimate_age_max="", estimate_samples_min="", estimate_stale_cells="")
+        if "share" in run:
+            extra.update(
+                slowed_cell=str(int(run["slowed"])),
+                slowed_share=" ".join(f"{x:.6g}" for x in run["share"]),
             )
     return {
         **common,
@@ -608,18 +706,34 @@ def _simulate_unit(cfg, batch, pol, eta, aversion, integrator, tick):
     )
 
 
-def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick):
+def online_estimation(cfg: ExperimentConfig, variant: dict | None = None):
+    """The `OnlineEstimation` of a configuration's runs (None for the oracle), or of a
+    variant's `estimation` options `variant` (the `recovery` kind's online variants),
+    with the configuration's refit period and window (`ExperimentConfig.mitigations`)."""
+    if variant is None and cfg.estimation == "oracle":
+        return None
+    return OnlineEstimation(
+        refit_period=cfg.refit_period, window=cfg.estimation_window, **cfg.mitigations(variant)
+    )
+
+
+def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick, options=None):
     """The request-level runs of one unit: one trial per scenario and fluctuation trial of
     `batch`, the policy wrapped in `ErrorAverse` as the fluid run's is, seeded by
     `cfg.seed` (the same random streams for every policy: common random numbers). Returns
     per run the mean latency of the served requests (NaN when none was served), the 90th
     percentile latency, the error rate, the status name and, with online estimation, the
     `ESTIMATION_FIELDS`' numbers over the real cells (`age_max`, `samples_min`, `stale`; an
-    empty dict for the oracle).
+    empty dict for the oracle). A variant's `options` may set the estimation (`recovery`);
+    with a `slowdown` the runs also give `slowed` (the slowed cell) and `share`, its
+    share of the deliveries per `RECOVERY_SAVE` seconds (`RECOVERY_FIELDS`).
 
     Across processes each process draws its share's streams from `cfg.seed` alone: the
     runs are statistically, not bitwise, those of a one-process run."""
     looped = pol if aversion is None else ErrorAverse(pol, aversion)
+    options = {} if options is None else options
+    estimation = online_estimation(cfg, options.get("estimation")) or "oracle"
+    slowed = "slowdown" in options
     sol = simulate_requests(
         batch,
         looped,
@@ -627,12 +741,12 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick):
         scale=cfg.scale,
         probe_smoothing=cfg.probe_smoothing,
         leaf=PowerOfD(cfg.pod_d) if cfg.leaf == "pod" else "jsq",
-        estimation=cfg.online_estimation() or "oracle",
+        estimation=estimation,
         seed=cfg.seed,
         step_size=eta,
         tick=tick,
         horizon=cfg.horizon,
-        n_save=1,
+        n_save=max(1, round(cfg.horizon / RECOVERY_SAVE)) if slowed else 1,
         throw=False,
     )
     served = np.asarray(sol.served)[:, 0]
@@ -653,4 +767,10 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick):
             "samples_min": np.min(np.where(real, samples, np.iinfo(np.int32).max), axis=-1),
             "stale": np.sum(real & (age >= cfg.estimation_window), axis=-1),
         }
+    if slowed:
+        factors = np.asarray(batch.slowdown_factors)  # (B, n, entries)
+        cell = np.argmax(np.max(factors, axis=-1), axis=-1)
+        share = sol.traffic_share()[:, 0]  # (B, intervals, n)
+        est["slowed"] = cell
+        est["share"] = np.take_along_axis(share, cell[:, None, None], axis=-1)[..., 0]
     return lat, p90, err, status, est

@@ -217,6 +217,7 @@ def init_lane(ln: Lane, key) -> FifoState:
         drops=zi,
         area=zf,
         busy=zf,
+        received=zi,
     )
     key, kt = jr.split(key)
     st = FifoState(
@@ -390,6 +391,7 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
         drops=s_.drops + win * lost,
         area=s_.area + jnp.where(do, _overlap(t, c, w0, T), 0.0) * onehot,
         busy=s_.busy + jnp.where(do, busy, 0.0) * onehot,
+        received=s_.received,
     )
     deliv = (ok & ~initial).astype(jnp.int32) * onehot
     est = st.est
@@ -599,8 +601,10 @@ def finish(ln: Lane, st: FifoState, k) -> FifoState:
     )
     slot = k % z.ring
     zi = jnp.zeros_like(st.tick_drops)
+    stats = dataclasses.replace(st.stats, received=st.stats.received + st.tick_arrivals)
     return dataclasses.replace(
         st,
+        stats=stats,
         count=(st.count + jnp.sum(row, axis=-1)).astype(jnp.int32),
         cal=st.cal.at[k % z.calendar].set(0),
         inbox_n=st.inbox_n.at[slot].set(0),

@@ -53,12 +53,11 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from .._defaults import ESTIMATION_MODES as ESTIMATION_MODES
 from .._results import RESULTS
 from .._service.estimation import fit_binned, service_from_theta, theta_from_service
-from .._validate import integer, number
-
-ESTIMATION_MODES = ("oracle", "online")
-"""The values of `simulate_requests(estimation=...)` and `--estimation`."""
+from .._validate import check_estimation, integer
+from .._validate import period_ticks as period_ticks
 
 MITIGATIONS = ("background-probing", "shrinkage", "dithering")
 """The mitigations of online estimation (`--mitigation`), in `OnlineEstimation`'s fields
@@ -92,20 +91,12 @@ class OnlineEstimation(eqx.Module):
     dithering: float = 0.0
 
     def __check_init__(self):
-        number("refit_period", self.refit_period, lo=0.0, lo_open=True)
-        number("window", self.window, lo=0.0, lo_open=True)
-        lag = self.window / self.refit_period
-        if abs(lag - round(lag)) > 1e-9 * lag or round(lag) < 1:
-            raise ValueError(
-                f"window = {self.window!r} is invalid: expected a whole number "
-                f"(>= 1) of refit periods (refit_period = {self.refit_period})"
-            )
+        check_estimation(
+            self.refit_period, self.window, self.probing, self.shrinkage, self.dithering
+        )
         integer("bins", self.bins, 2)
         integer("min_samples", self.min_samples, 1)
         integer("steps", self.steps, 1)
-        number("probing", self.probing, lo=0.0)
-        number("shrinkage", self.shrinkage, lo=0.0)
-        number("dithering", self.dithering, lo=0.0, hi=2.0)
 
     @property
     def lag(self) -> int:
@@ -136,16 +127,6 @@ class OnlineEstimation(eqx.Module):
                 "dithering": {"sigma": self.dithering} if self.dithering > 0 else None,
             },
         }
-
-
-def period_ticks(period: float, tick: float, field: str) -> int:
-    """`period` as a whole number of ticks (`ValueError` naming `field` otherwise)."""
-    m = period / tick
-    if round(m) < 1 or abs(m - round(m)) > 1e-9 * m:
-        raise ValueError(
-            f"{field} = {period!r} is invalid: expected a whole number of ticks (tick = {tick})"
-        )
-    return int(round(m))
 
 
 _SPAN = 256.0  # the bins reach N_r * _SPAN

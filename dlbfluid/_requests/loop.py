@@ -60,7 +60,9 @@ class Stats(eqx.Module):
     end-to-end latencies and squares; `histogram` `(bins + 2,)` their latency histogram;
     `arrivals` `(n,)` requests arrived at each root router; `drops` `(n,)` requests
     rejected by each cell (full buffer, or an overflow); `area`, `busy` `(n,)` the time
-    integrals of each cell's request count and utilisation.
+    integrals of each cell's request count and utilisation; `received` `(n,)` the requests
+    delivered to each cell since $t = 0$ (admitted or rejected; not windowed: the traffic
+    each cell got, saved at the save times as `RequestSolution.received`).
     """
 
     served: Int[Array, ""]
@@ -71,6 +73,7 @@ class Stats(eqx.Module):
     drops: Int[Array, " n"]
     area: Float[Array, " n"]
     busy: Float[Array, " n"]
+    received: Int[Array, " n"]
 
 
 class LoopState(eqx.Module):
@@ -171,6 +174,7 @@ def init_state(tr: Trial, key) -> LoopState:
         drops=zi,
         area=zf,
         busy=zf,
+        received=zi,
     )
     return LoopState(
         t=jnp.zeros((), dtype),
@@ -335,6 +339,7 @@ def _stats(tr: Trial, st: LoopState, ev: _When, count, dt, latency, left, accept
         drops=s.drops + (lost & win).astype(jnp.int32),
         area=s.area + count.astype(dtype) * dt,
         busy=s.busy + tr.cells.utilisation(st.cells) * dt,
+        received=s.received,
     )
 
 
@@ -532,8 +537,10 @@ def _update(tr: Trial, k, t_end, st: LoopState) -> LoopState:
         tr, st.policy_state, st.obs_ring, probes.T, k, t_end, st.tick_drops, st.tick_arrivals
     )
     zi = jnp.zeros_like(st.tick_drops)
+    stats = dataclasses.replace(st.stats, received=st.stats.received + st.tick_arrivals)
     return dataclasses.replace(
         st,
+        stats=stats,
         x=x,
         xc=xc,
         policy_state=pstate,

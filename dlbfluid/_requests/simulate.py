@@ -180,9 +180,10 @@ def _lane(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> adm.Lane:
     )
 
 
-def _outputs(st, counts, window: float, utilisation, horizon=None) -> dict:
+def _outputs(st, counts, received, window: float, utilisation, horizon=None) -> dict:
     """The statistics of one trial from its final state (either kind of cell: `utilisation`
-    is the kind's own); with online estimation (`servers` cells) its report at `horizon`."""
+    is the kind's own), `counts` and `received` at the save times; with online estimation
+    (`servers` cells) its report at `horizon`."""
     s = st.stats
     finite = jnp.isfinite(s.latency_sum) & jnp.all(jnp.isfinite(s.area))
     extra = {}
@@ -191,6 +192,7 @@ def _outputs(st, counts, window: float, utilisation, horizon=None) -> dict:
     return dict(
         **extra,
         count=counts,
+        received=received,
         served=s.served,
         latency_sum=s.latency_sum,
         latency_sq=s.latency_sq,
@@ -294,15 +296,16 @@ def _program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
         )
         if report is not None:
             _progress(report, real, st, new)
-        return new, count(tr, new)
+        return new, (count(tr, new), new.stats.received)
 
     count0 = count(tr, st)
-    st, counts = jax.lax.scan(segment, st, jnp.arange(len(cfg.save_ticks) - 1))
+    st, (counts, recv) = jax.lax.scan(segment, st, jnp.arange(len(cfg.save_ticks) - 1))
     counts = jnp.concatenate([count0[:, :, None], jnp.moveaxis(counts, 0, 2)], axis=2)
+    recv = jnp.concatenate([jnp.zeros_like(count0)[:, :, None], jnp.moveaxis(recv, 0, 2)], axis=2)
     window = cfg.horizon - cfg.warmup
     return jax.vmap(
-        jax.vmap(lambda s, c: _outputs(s, c, window, s.stats.busy / window)),
-    )(st, counts)
+        jax.vmap(lambda s, c, r: _outputs(s, c, r, window, s.stats.busy / window)),
+    )(st, counts, recv)
 
 
 def _status(overflow, finite):
@@ -327,14 +330,19 @@ def _fifo_program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
     n_save = len(cfg.save_ticks) - 1
     marks = jnp.asarray(cfg.save_ticks, jnp.int32)
     saves = jnp.zeros(st.count.shape[:2] + (n_save + 1,) + st.count.shape[2:], jnp.int32)
-    saves = saves.at[:, :, 0].set(st.count)
+    # (the counts and the cumulative deliveries at the save times)
+    saves = (saves.at[:, :, 0].set(st.count), saves)
 
     def tick(k, carry):
         s, saved = carry
         s = adm.run_tick(ln, k, s)
         at = jnp.searchsorted(marks, k + 1)
         hit = marks[jnp.minimum(at, n_save)] == k + 1
-        saved = saved.at[:, :, jnp.where(hit, at, n_save + 1)].set(s.count, mode="drop")
+        where = jnp.where(hit, at, n_save + 1)
+        saved = (
+            saved[0].at[:, :, where].set(s.count, mode="drop"),
+            saved[1].at[:, :, where].set(s.stats.received, mode="drop"),
+        )
         return s, saved
 
     def chunk(c, carry):
@@ -349,13 +357,15 @@ def _fifo_program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
             _progress(report, real, s0, s)
         return adm.next_chunk(ln, a + G, s), saved
 
-    st, counts = jax.lax.fori_loop(0, -(-K // G), chunk, (st, saves))
+    st, (counts, recv) = jax.lax.fori_loop(0, -(-K // G), chunk, (st, saves))
     window = cfg.horizon - cfg.warmup
 
-    def one(ln1, s1, c1):
-        return _outputs(s1, c1, window, adm.utilisation(ln1, s1), ln1.horizon)
+    def one(ln1, s1, c1, r1):
+        return _outputs(s1, c1, r1, window, adm.utilisation(ln1, s1), ln1.horizon)
 
-    return jax.vmap(jax.vmap(one, in_axes=(None, 0, 0)), in_axes=(0, 0, 0))(ln, st, counts)
+    return jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0)), in_axes=(0, 0, 0, 0))(
+        ln, st, counts, recv
+    )
 
 
 def _estimated_ticks(ln, a, end, tick, carry, cfg: _Config):

@@ -39,7 +39,9 @@ class RequestSolution(eqx.Module):
 
     **Fields:**
     - `t`: `(S+1,)` save times; `count`: `(..., S+1, n)` requests present in each cell
-      there (divide by `scale` for the fluid's units: `density`).
+      there (divide by `scale` for the fluid's units: `density`); `received`: `(..., S+1, n)`
+      the requests delivered to each cell by each save time (admitted or rejected; its
+      differences are the traffic each cell got per save interval: `traffic_share`).
     - `served`: completions; `latency_sum`, `latency_sq`: sums of their latencies and
       squares (exact); `histogram`: `(..., bins + 2)` their log-spaced latency histogram
       (`LatencyHistogram`: percentiles within `histogram_bins.resolution` relative).
@@ -58,6 +60,7 @@ class RequestSolution(eqx.Module):
 
     t: Float[Array, " S"]
     count: Int[Array, "... S n"]
+    received: Int[Array, "... S n"]
     served: Int[Array, "..."]
     latency_sum: Float[Array, "..."]
     latency_sq: Float[Array, "..."]
@@ -93,6 +96,15 @@ class RequestSolution(eqx.Module):
         """Saved counts divided by the scale $k$: $N^k/k$, the fluid's units."""
         k = jnp.reshape(self.scale, self.scale.shape + (1,) * (self.count.ndim - self.scale.ndim))
         return self.count / k
+
+    def traffic_share(self):
+        """`(..., S, n)` each cell's share of the requests delivered in each save interval
+        ($\\Delta$`received` over its sum across the cells; NaN for an interval without
+        deliveries), as a numpy array."""
+        d = np.diff(np.asarray(self.received), axis=-2).astype(float)
+        total = d.sum(axis=-1, keepdims=True)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(total > 0, d / total, np.nan)
 
     @eager_jit
     def mean_latency(self):
