@@ -16,21 +16,22 @@ seconds, and the routers' latency and gradient costs use the last fit published:
 * **The window as bins.** A sample is added, at admission, to the ring slot of the refit
   period its completion falls in, and to one of `bins` equal workload bins per cell
   (count, sum of $N$, sum of $\\log y$), equal in $u = \\log(1 + N/N_r)$ so that their
-  width is about $N_r$ at low load and a fixed fraction of $N$ above. The refit at $t_m = mP$ sums the slots of the
-  periods $m - W/P, \\dots, m - 1$ (completions in $[t_m - W, t_m)$, exactly), fits on
+  width is about $N_r$ at low load and a fixed fraction of $N$ above. The refit at
+  $t_m = mP$ sums the slots of the periods $m - W/P, \\dots, m - 1$ (completions in $[t_m - W, t_m)$, exactly), fits on
   the bins (`fit_binned`) and clears the slot that leaves the window. The ring holds
   $2W/P + 1$ periods, so a completion up to about $W$ after its admission is kept; a later
   one is counted in `late` and dropped (a request that outlives the window is censored
   anyway until it completes).
 * **Refit.** Levenberg-Marquardt from the last accepted fit and from a data-driven start,
-  the better kept (`fit_binned`). A fit is
-  accepted when the window holds at least `min_samples` samples and the fit is finite;
+  the better kept (`fit_binned`). A fit is accepted when the window holds at least `min_samples` samples and the fit is finite;
   otherwise the cell keeps its last model, whose `age` grows (starvation: a cell deemed
   slow receives no traffic, hence no samples).
 * **Mitigations** (each off at 0): `probing` $p$: every $p$ seconds each cell is probed
   by a request that measures what a real one would see (the same leaf rule and token
-  draws) without loading the cell (a probe every second is a load of one request per
-  second against the thousands the cells serve); `shrinkage` $n_0$: the published
+  draws) without loading the cell (a simplification: a real probe a second would add up to
+  5% to an App.-B cell at scale 1, whose least-loaded cells receive 20-35 requests a
+  second, and less at larger scales);
+  `shrinkage` $n_0$: the published
   parameters are $w\\theta_{\\text{fit}} + (1 - w)\\theta_0$ with $w = n/(n + n_0)$, $n$ the
   window's samples and $\\theta_0$ the prior (the model the run starts from); `dithering`
   $\\sigma$: the published latency is multiplied by $e^{\\sigma\\xi}$, $\\xi\\sim N(0, 1)$ per
