@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dlbfluid._defaults import PROBE_TICK
-from dlbfluid._evaluation.config import KINDS, ExperimentConfig, variants
+from dlbfluid._evaluation.config import FLUID_KINDS, ExperimentConfig, variants
 
 ROOT = Path(__file__).parent.parent
 RESULTS = ROOT / "notebooks" / "results"
@@ -29,7 +29,7 @@ def _recorded(kind):
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", FLUID_KINDS)
 def test_every_kind_is_recorded_at_the_faithful_defaults(kind):
     d = _recorded(kind)
     c = d["config"]
@@ -81,7 +81,7 @@ def test_results_table_quotes_the_recordings():
     header = [h.strip() for h in lines[0].strip("|").split("|")]
     assert tuple(header[1:]) == POLICIES
     recorded = {k: {(r["variant"], r["policy"]): r for r in _recorded(k)["summary"]}
-                for k in KINDS}  # fmt: skip
+                for k in FLUID_KINDS}  # fmt: skip
     seen = set()
     for line in lines[1:]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -102,7 +102,7 @@ def test_results_table_quotes_the_recordings():
         best = [p for p, c in zip(POLICIES, cells[1:], strict=True) if c.startswith("**")]
         assert best == [min(POLICIES[1:], key=lambda p: recorded[kind][(variant, p)]
                             ["normalized_latency"])], cells[0]  # fmt: skip
-    assert seen == set(KINDS)
+    assert seen == set(FLUID_KINDS)
 
 
 # ----------------------------------------------------------------------------------------

@@ -49,6 +49,10 @@ KINDS = (
 )
 """Experiment kinds (`dlbfluid experiment KIND`)."""
 
+FLUID_KINDS = tuple(k for k in KINDS if k != "recovery")
+"""The kinds the fluid model runs (`recovery` compares routers' models estimated from
+requests, which the fluid model has not: request level only)."""
+
 RECOVERY_SLOWDOWN = (3.0, 0.3, 0.5)
 """The `recovery` kind's slowdown: one cell of each scenario serves 3x slower from 30% to
 50% of the horizon (issue 42, item 3)."""
