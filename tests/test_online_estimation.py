@@ -275,3 +275,26 @@ def test_experiment_summary_counts_stale_runs():
         for f in ("estimate_age_max", "estimate_samples_min", "estimate_stale_cells"):
             del r[f]
     assert all("estimation" not in r for r in summarise(rows, ("rand", "flow-lat"), "requests"))
+
+
+def test_extreme_fits_are_clamped_and_nan_costs_route_to_allowed_cells():
+    # A window at one workload leaves the softplus unidentified: the fit's width and level
+    # stay inside the clamp, and its latency is finite over the data. (Unclamped, a width
+    # driven to 1e-320 made the latency infinite and the disc policies' costs NaN, whose
+    # all-zero routing row sent requests to a padded cell: an overflow in 29 of 50 runs of
+    # the recovery experiment's online disc-lat.)
+    from dlbfluid._service.estimation import fit_binned
+
+    N = jnp.zeros(8).at[0].set(1.0)
+    logy = jnp.zeros(8).at[0].set(jnp.log(0.2))
+    w = jnp.zeros(8).at[0].set(500.0)
+    theta, _, status = fit_binned(N, logy, w, jnp.array([1.0, 1.0, 1.0, 1e-30]), 50)
+    assert np.all(np.isfinite(np.asarray(theta))) and float(theta[3]) >= 1e-3 * 1.0
+    # The discrete policy never routes over disallowed arcs, whatever the costs.
+    pol = dl.DiscreteRouting("latency")
+    allowed = jnp.array([[False, True, True]])
+    x0 = jnp.zeros((1, 3))
+    x = pol.route(x0, jnp.array([[0.0, jnp.nan, 2.0]]), 0.0, allowed)
+    np.testing.assert_array_equal(np.asarray(x), [[0.0, 0.0, 1.0]])
+    x = pol.route(x0, jnp.array([[0.0, jnp.nan, jnp.nan]]), 0.0, allowed)
+    np.testing.assert_array_equal(np.asarray(x), [[0.0, 0.5, 0.5]])

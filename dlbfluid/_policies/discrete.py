@@ -13,6 +13,8 @@ class DiscreteRouting(AbstractCostPolicy):
     """Discrete routing: each router sends all of its flow to the cheapest allowed cell,
     $x_i \\leftarrow e_{\\arg\\min_j \\hat c_{ij}}$ (theory/model.md, *Routing*).
 
+    A NaN cost counts as $+\\infty$, so that every row routes to allowed cells.
+
     **Tie rule** (`tie`): `"split"` (default) splits the flow equally among exact
     minimisers; `"first"` sends it all to the lowest-index minimiser. Exact ties have
     measure zero along a generic trajectory, and `tests/test_policies.py` checks that the
@@ -31,7 +33,9 @@ class DiscreteRouting(AbstractCostPolicy):
         return f"disc-{short_name(self.cost)}"
 
     def route(self, x, costs, step, allowed):
-        c = jnp.where(allowed, costs, jnp.inf)
+        # (a NaN cost counts as +inf: a cell the routers cannot price gets no flow, and a
+        # row whose costs are all non-finite splits over its allowed cells, never over none)
+        c = jnp.where(allowed & ~jnp.isnan(costs), costs, jnp.inf)
         cmin = jnp.min(c, axis=-1, keepdims=True)
         ties = allowed & (c <= cmin)
         if self.tie == "first":

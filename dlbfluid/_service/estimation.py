@@ -440,6 +440,10 @@ def _levenberg_marquardt(n, logy, w, r0, iters):
     return r, f, 2.0 * jnp.max(jnp.abs(g))
 
 
+_THETA_LO = (1e-6, 1e-6, 0.0, 1e-3)  # (a0, beta, knee, width), normalised units
+_THETA_HI = (1e6, 1e6, 1e3, 1e3)
+
+
 def fit_binned(N, logy, weight, theta0, steps, gtol=1e-8):
     """One cell's softplus fit to binned samples (traceable; the online estimation's refit,
     `dlbfluid._requests.estimation`).
@@ -474,12 +478,22 @@ def fit_binned(N, logy, weight, theta0, steps, gtol=1e-8):
     starts = jnp.stack([_raw_from_theta(th_n), _raw_from_theta(_initial_theta(n, jnp.exp(ly), wn))])
     r, f, g = jax.vmap(lambda r0: _levenberg_marquardt(n, ly, wn, r0, steps))(starts)
     best = jnp.argmin(jnp.where(jnp.isfinite(f), f, jnp.inf))
-    th = _theta_from_raw(r[best])
+    # Keep the fit inside the range the data can speak for (normalised units: workloads and
+    # latencies of order 1): a width or a level driven to 0 or a knee far past the data
+    # makes the softplus overflow (an infinite latency at low load, which routes every
+    # request to the first cell whatever the routers' allowed arcs).
+    th = jnp.clip(_theta_from_raw(r[best]), jnp.array(_THETA_LO), jnp.array(_THETA_HI))
     f, g = f[best], g[best]
     theta = jnp.stack(
         [th[0] * y_scale, th[1] * y_scale / n_scale, th[2] * n_scale, th[3] * n_scale]
     )
-    finite = jnp.isfinite(f) & jnp.all(jnp.isfinite(theta)) & (wsum > 0)
+    lat = _latency_theta(th, n)
+    finite = (
+        jnp.isfinite(f)
+        & jnp.all(jnp.isfinite(theta))
+        & (wsum > 0)
+        & jnp.all(jnp.where(has, jnp.isfinite(lat) & (lat > 0), True))
+    )
     status = jnp.where(
         ~finite, RESULTS.nonfinite, jnp.where(g <= gtol, RESULTS.success, RESULTS.not_converged)
     )
