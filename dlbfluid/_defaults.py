@@ -38,6 +38,12 @@ ESTIMATION_MODES = ("oracle", "online")
 """The routers' latency models at request level (`simulate_requests(estimation=...)`,
 `--estimation`): the scenario's, fixed, or refitted in the loop."""
 
+MITIGATION_FIELDS = {"background-probing": "probing", "shrinkage": "shrinkage",
+                     "dithering": "dithering"}  # fmt: skip
+"""The mitigations of online estimation by name (`--mitigation NAME`, the `recovery`
+experiment's variants) and the field that sets each (`OnlineEstimation`,
+`ExperimentConfig`)."""
+
 MITIGATION_DEFAULTS = {"background-probing": 1.0, "shrinkage": 64.0, "dithering": 0.1}
 """A mitigation of online estimation named without a value (`--mitigation NAME`, the
 `recovery` experiment's variants): a probe per cell every second, a prior worth 64

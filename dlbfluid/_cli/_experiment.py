@@ -252,7 +252,7 @@ def _twin_options(args) -> dict:
     leaf = leaf_option(args, args.service or "markov")
     if leaf.name != "jsq":
         out["leaf"], out["pod_d"] = leaf.name, leaf.d
-    online = estimation_option(args, args.service or "markov")
+    online = estimation_option(args, args.service or "markov", None)
     if online is not None:
         out.update(
             estimation="online",

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from .._defaults import MITIGATION_DEFAULTS, SIMULATE_HORIZON
+from .._defaults import MITIGATION_DEFAULTS, MITIGATION_FIELDS, SIMULATE_HORIZON
 from ._common import (
     SEED_MAX,
     add_process_options,
@@ -211,17 +211,11 @@ def add_estimation_flags(g) -> None:
     )
 
 
-_MITIGATION_FIELDS = {
-    "background-probing": "probing",
-    "shrinkage": "shrinkage",
-    "dithering": "dithering",
-}
-
-
-def estimation_option(args, service: str):
+def estimation_option(args, service: str, tick: float | None):
     """The checked `--estimation`, `--refit-period`, `--estimation-window` and
-    `--mitigation`: None for the oracle, else an `OnlineEstimation`; one-line refusals
-    naming the option."""
+    `--mitigation`: None for the oracle, else an `OnlineEstimation` whose periods are whole
+    numbers of `tick` (None: not checked here; `experiment` checks each variant's tick in
+    `ExperimentConfig`); one-line refusals naming the option."""
     from .._defaults import ESTIMATION_MODES
     from .._requests.estimation import OnlineEstimation
     from .._validate import period_ticks
@@ -262,7 +256,7 @@ def estimation_option(args, service: str):
                 f"--mitigation = {item!r} is invalid: allowed "
                 f"{', '.join(MITIGATION_DEFAULTS)} (each optionally =VALUE)"
             )
-        field = _MITIGATION_FIELDS[name]
+        field = MITIGATION_FIELDS[name]
         if field in kw:
             raise ValueError(f"--mitigation = {item!r} is invalid: {name} is named twice")
         if not eq:
@@ -282,8 +276,7 @@ def estimation_option(args, service: str):
     except ValueError as e:
         msg = str(e).replace("refit_period =", "--refit-period =")
         raise ValueError(msg.replace("window =", "--estimation-window =", 1)) from None
-    tick = getattr(args, "tick", None)
-    if tick is not None:  # (`experiment` checks each variant's tick: `ExperimentConfig`)
+    if tick is not None:
         period_ticks(online.refit_period, tick, "--refit-period")
         if online.probing > 0:
             period_ticks(online.probing, tick, "--mitigation background-probing")
@@ -417,7 +410,7 @@ def request_options(args) -> dict | None:
     return {
         "leaf": leaf_option(args, service),
         "probe_smoothing": _smoothing(args.probe_smoothing),
-        "estimation": estimation_option(args, service),
+        "estimation": estimation_option(args, service, args.tick),
         "model": "requests",
         "service": service,
         "scale": 1 if args.scale is None else _whole("--scale", args.scale, 1),

@@ -12,6 +12,7 @@ from .._defaults import (
     DURATION_SCALES,
     ESTIMATION_MODES,
     MITIGATION_DEFAULTS,
+    MITIGATION_FIELDS,
     PROBE_TICK,
     STEP_RULES,
 )
@@ -107,7 +108,7 @@ def variants(kind: str) -> list[tuple[str, dict]]:
     if kind == "recovery":
         slow: dict = {"slowdown": RECOVERY_SLOWDOWN}
         return [("oracle", slow), ("online", {**slow, "estimation": {}})] + [
-            (m, {**slow, "estimation": {_MITIGATION_FIELD[m]: v}})
+            (m, {**slow, "estimation": {MITIGATION_FIELDS[m]: v}})
             for m, v in MITIGATION_DEFAULTS.items()
         ]
     if kind == "tick":
@@ -351,9 +352,6 @@ _TWIN_DEFAULTS = {
                   "estimation_window", "probing", "shrinkage", "dithering")
 }  # fmt: skip
 """The request-level options of `ExperimentConfig` and their defaults (the fields')."""
-
-_MITIGATION_FIELD = {"background-probing": "probing", "shrinkage": "shrinkage",
-                     "dithering": "dithering"}  # fmt: skip
 
 _ESTIMATION_FIELDS = ("refit_period", "estimation_window", "probing", "shrinkage", "dithering")
 """The fields that set online estimation (refused with `estimation = "oracle"`)."""

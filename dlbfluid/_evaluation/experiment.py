@@ -350,6 +350,7 @@ def summarise(
     by = {}
     for r in rows:
         by[(r["variant"], r["policy"], r["scenario"], r["trial"])] = r
+    oracle = {(p, s, t): r for (v, p, s, t), r in by.items() if v == "oracle"}
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     out = []
     for v in variants:
@@ -392,13 +393,8 @@ def summarise(
                     "model": model,
                 }
             if horizon is not None and mine and "slowed_share" in mine[0]:
-                ref = {
-                    (r["policy"], r["scenario"], r["trial"]): r
-                    for r in rows
-                    if r["variant"] == "oracle"
-                }
                 extra["recovery_time"] = (
-                    None if v == "oracle" else _recovery_summary(mine, ref, horizon)
+                    None if v == "oracle" else _recovery_summary(mine, oracle, horizon)
                 )
             if ages:
                 extra["estimation"] = {

@@ -419,24 +419,21 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
 
 class _Placement(eqx.Module):
     """Where and when a request delivered to cell `j` at `t` would be served (`_place`):
-    `now` ($t$ in the cell's clock), `per` `(S,)` requests per server and `total`,
-    `valid` the running servers, the chosen `server` (`pick` one-hot) and its `row`, the
-    row after the admission `new_row`, the completion `c`, the prefill's start `p0` and
-    end `pf`, the decode's start `vstart` (in seconds), the work `pw`, `dw`."""
+    `per` `(S,)` requests per server and `total`, `valid` the running servers, the chosen
+    `server` (`pick` one-hot), its row after the admission `new_row`, the completion `c`,
+    the prefill's start `p0` and end `pf`, the decode's start `vstart` (in seconds), and the
+    decode work `dw`."""
 
-    now: Array
     per: Array
     total: Array
     valid: Array
     server: Array
     pick: Array
-    row: Array
     new_row: Array
     c: Array
     p0: Array
     pf: Array
     vstart: Array
-    pw: Array
     dw: Array
 
 
@@ -469,7 +466,7 @@ def _place(ln: Lane, st: FifoState, j, t, tok, initial) -> _Placement:
         p0 = pf - pw  # (the prefill's start)
     else:  # (back to seconds: the completion, the prefill's start and end, the decode's start)
         c, p0, pf, vstart = clock.inverse(jnp.stack([c, jnp.maximum(now, row[0]), pf, vstart]))
-    return _Placement(now, per, total, valid, s, pick, row, new_row, c, p0, pf, vstart, pw, dw)
+    return _Placement(per, total, valid, s, pick, new_row, c, p0, pf, vstart, dw)
 
 
 def probe_cells(ln: Lane, st: FifoState, t) -> FifoState:

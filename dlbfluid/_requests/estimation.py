@@ -54,15 +54,9 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from .._defaults import ESTIMATION_MODES as ESTIMATION_MODES
 from .._results import RESULTS
 from .._service.estimation import fit_binned, service_from_theta, theta_from_service
 from .._validate import check_estimation, integer
-from .._validate import period_ticks as period_ticks
-
-MITIGATIONS = ("background-probing", "shrinkage", "dithering")
-"""The mitigations of online estimation (`--mitigation`), in `OnlineEstimation`'s fields
-`probing`, `shrinkage`, `dithering`."""
 
 
 class OnlineEstimation(eqx.Module):
@@ -108,11 +102,6 @@ class OnlineEstimation(eqx.Module):
     def slots(self) -> int:
         """$R = 2W/P + 1$: the ring's periods."""
         return 2 * self.lag + 1
-
-    def mitigations(self) -> tuple[str, ...]:
-        """The mitigations on, by name (`MITIGATIONS`)."""
-        on = (self.probing > 0, self.shrinkage > 0, self.dithering > 0)
-        return tuple(m for m, o in zip(MITIGATIONS, on, strict=True) if o)
 
     def describe(self) -> dict:
         """The configuration as JSON (the `estimation` object of `simulate --json`)."""

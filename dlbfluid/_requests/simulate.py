@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from .._defaults import ESTIMATION_MODES
 from .._policies import AbstractPolicy, policy_from_name
 from .._precision import require_x64
 from .._results import RESULTS, view
@@ -21,7 +22,7 @@ from .._runtime.progress import Progress
 from .._scenario import Scenario
 from .._service.base import code as law_code
 from .._simulate import _hist_len, _setup
-from .._validate import integer, number
+from .._validate import integer, number, period_ticks
 from .._validate import invalid as _bad
 from . import admission as adm
 from . import estimation as est_
@@ -420,7 +421,7 @@ def _estimation_option(estimation, service: str) -> est_.OnlineEstimation | None
         raise _bad(
             "estimation",
             estimation,
-            f"allowed {', '.join(est_.ESTIMATION_MODES)} or an OnlineEstimation",
+            f"allowed {', '.join(ESTIMATION_MODES)} or an OnlineEstimation",
         )
     if service != "servers":
         raise _bad(
@@ -809,9 +810,9 @@ def simulate_requests(
     sizes = None
     refit_ticks = probe_ticks = 0
     if online is not None:
-        refit_ticks = est_.period_ticks(online.refit_period, h, "refit_period")
+        refit_ticks = period_ticks(online.refit_period, h, "refit_period")
         if online.probing > 0:
-            probe_ticks = est_.period_ticks(online.probing, h, "probing")
+            probe_ticks = period_ticks(online.probing, h, "probing")
     if service == "servers":
         sizes, arc_slots, events = _fifo_sizes(scn, k_b, h, K, plan, slots, arc_slots, events, hist)
     else:

@@ -208,6 +208,23 @@ def _normalise(N, y):
     return N / n_scale, y / y_scale, n_scale, y_scale
 
 
+def _unit_theta(theta, n_scale, y_scale):
+    """$\\theta = (a_0, \\beta, N_0, s)$ `(..., 4)` in the fit's normalised units (workloads
+    over `n_scale`, latencies over `y_scale`; `_natural_theta` is the inverse)."""
+    a0, beta, knee, width = (theta[..., i] for i in range(_N_PARAMS))
+    return jnp.stack([a0 / y_scale, beta * n_scale / y_scale, knee / n_scale, width / n_scale], -1)
+
+
+def _natural_theta(th, n_scale, y_scale):
+    """`(a0, beta, knee, width)` back in natural units from normalised `th` `(..., 4)`."""
+    return (
+        th[..., 0] * y_scale,
+        th[..., 1] * y_scale / n_scale,
+        th[..., 2] * n_scale,
+        th[..., 3] * n_scale,
+    )
+
+
 def _initial_theta(n, y, weight=None):
     """Data-driven start (normalised units): flat level from the lowest workloads, linear
     asymptote from a line through the highest ones, knee where the two meet. `weight`:
@@ -317,11 +334,7 @@ def _fit_batch(N, y, r_init, use_init, steps, polish_steps, learning_rate, gtol)
     th, f, gnorm, k, status = jax.vmap(
         lambda a, b, c: _fit_one(a, b, c, use_init, steps, polish_steps, learning_rate, gtol)
     )(n, ys, r_init)
-    a0 = th[:, 0] * y_scale
-    beta = th[:, 1] * y_scale / n_scale
-    knee = th[:, 2] * n_scale
-    width = th[:, 3] * n_scale
-    return (a0, beta, knee, width), f, gnorm, k, status
+    return _natural_theta(th, n_scale, y_scale), f, gnorm, k, status
 
 
 def fit_latency_model(
@@ -473,8 +486,7 @@ def fit_binned(N, logy, weight, theta0, steps, gtol=1e-8):
     ly = jnp.where(has, logy - log_scale, 0.0)
     y_scale = jnp.exp(log_scale)
     n = N / n_scale
-    a0, beta, knee, width = theta0
-    th_n = jnp.stack([a0 / y_scale, beta * n_scale / y_scale, knee / n_scale, width / n_scale])
+    th_n = _unit_theta(theta0, n_scale, y_scale)
     starts = jnp.stack([_raw_from_theta(th_n), _raw_from_theta(_initial_theta(n, jnp.exp(ly), wn))])
     r, f, g = jax.vmap(lambda r0: _levenberg_marquardt(n, ly, wn, r0, steps))(starts)
     best = jnp.argmin(jnp.where(jnp.isfinite(f), f, jnp.inf))
@@ -484,9 +496,7 @@ def fit_binned(N, logy, weight, theta0, steps, gtol=1e-8):
     # request to the first cell whatever the routers' allowed arcs).
     th = jnp.clip(_theta_from_raw(r[best]), jnp.array(_THETA_LO), jnp.array(_THETA_HI))
     f, g = f[best], g[best]
-    theta = jnp.stack(
-        [th[0] * y_scale, th[1] * y_scale / n_scale, th[2] * n_scale, th[3] * n_scale]
-    )
+    theta = jnp.stack(_natural_theta(th, n_scale, y_scale))
     lat = _latency_theta(th, n)
     finite = (
         jnp.isfinite(f)
@@ -590,13 +600,5 @@ def _raw_init(init, cells: tuple, Nf, yf):
         )
     n_scale = jnp.max(Nf, axis=-1)
     y_scale = jnp.exp(jnp.mean(jnp.log(yf), axis=-1))
-    th_n = jnp.stack(
-        [
-            th[:, 0] / y_scale,
-            th[:, 1] * n_scale / y_scale,
-            jnp.maximum(th[:, 2], 0.0) / n_scale,
-            th[:, 3] / n_scale,
-        ],
-        axis=-1,
-    )
-    return _raw_from_theta(th_n)
+    th = th.at[:, 2].set(jnp.maximum(th[:, 2], 0.0))
+    return _raw_from_theta(_unit_theta(th, n_scale, y_scale))
