@@ -56,3 +56,8 @@ generator and of the `duration` experiment kind."""
 STEP_BASES = ("eta-star", "eta0")
 """What `verify`'s step fraction multiplies: the linear critical step $\\eta^*$, or the proof's
 $\\eta_0$ (a run at a fraction $\\le 1$ of it is inside Theorem 1's hypothesis)."""
+
+AFFINITY_MODES = ("off", "sticky", "conditional")
+"""Session affinity at request level (`simulate_requests(affinity=...)`, `--affinity`;
+theory/affinity.md): none (every request routed by the policy), sticky (a session's
+requests follow its first), or the paper's conditional rule."""

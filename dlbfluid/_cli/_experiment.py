@@ -336,6 +336,13 @@ def _requests_table(summary: list[dict]) -> str:
     ]
     header = ["variant", "policy", "lat/rand", "p90/rand", "errors %", "fluid lat/rand",
               "fluid errors %", "latency (s)", "p90 (s)", "failed"]  # fmt: skip
+    if any("sessions" in s for s in summary):  # (the affinity kind: its caches)
+        for row, s in zip(rows, summary):
+            sess = s.get("sessions") or {}
+            hits, busiest = sess.get("cache_hit_rate"), sess.get("busiest_server_share")
+            row += [_f(None if hits is None else 100 * hits),
+                    _f(None if busiest is None else 100 * busiest)]  # fmt: skip
+        header += ["cache hits %", "busiest server %"]
     return table(rows, header)
 
 

@@ -21,6 +21,7 @@ SIMULATE_REQUESTS = {
     "estimation": "--estimation",
     "refit_period": "--refit-period",
     "probing": "--mitigation",
+    "affinity": "--affinity",
     "scale": "--scale",
     "trials": "--trials",
     "seed": "--seed",

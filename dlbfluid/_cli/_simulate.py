@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from .._defaults import MITIGATION_DEFAULTS, MITIGATION_FIELDS, SIMULATE_HORIZON
+from .._defaults import AFFINITY_MODES, MITIGATION_DEFAULTS, MITIGATION_FIELDS, SIMULATE_HORIZON
 from ._common import (
     SEED_MAX,
     add_process_options,
@@ -172,6 +172,36 @@ def _add_request_flags(p) -> None:
         help="with --leaf pod, an integer >= 1: the servers drawn per request (default 2)",
     )
     add_estimation_flags(g)
+    add_affinity_flag(g)
+
+
+def add_affinity_flag(g) -> None:
+    """`--affinity` (checked by `affinity_option`)."""
+    g.add_argument(
+        "--affinity",
+        default=None,
+        metavar="|".join(AFFINITY_MODES),
+        help="with --service servers and a scenario whose workload has sessions: off "
+        "(default; every request routed by the policy), sticky (a session follows its first "
+        "request's cell and server) or conditional (the paper's rule: stay while the "
+        "expected latency minus the prefill a cache hit saves beats the best other cell)",
+    )
+
+
+def affinity_option(args, service: str) -> str:
+    """The checked `--affinity` (one line naming the option, its value and what is
+    allowed); the scenario's sessions are checked by `simulate_requests`."""
+    mode = getattr(args, "affinity", None)
+    if mode is None:
+        return "off"
+    if mode not in AFFINITY_MODES:
+        raise ValueError(f"--affinity = {mode!r} is invalid: allowed {', '.join(AFFINITY_MODES)}")
+    if mode != "off" and service != "servers":
+        raise ValueError(
+            f"--affinity = {mode!r} is invalid with --service {service}: sessions and prefix "
+            "caches need --service servers"
+        )
+    return mode
 
 
 def add_estimation_flags(g) -> None:
@@ -388,7 +418,8 @@ def request_options(args) -> dict | None:
     policies = list(args.policy or ["flow-grad"])
     if args.model == "fluid":
         for name in ("service", "scale", "trials", "seed", "leaf", "pod_d", "probe_smoothing",
-                     "estimation", "refit_period", "estimation_window", "mitigation"):  # fmt: skip
+                     "estimation", "refit_period", "estimation_window", "mitigation",
+                     "affinity"):  # fmt: skip
             value = getattr(args, name, None)
             if value is not None:
                 raise ValueError(
@@ -411,6 +442,7 @@ def request_options(args) -> dict | None:
         "leaf": leaf_option(args, service),
         "probe_smoothing": _smoothing(args.probe_smoothing),
         "estimation": estimation_option(args, service, args.tick),
+        "affinity": affinity_option(args, service),
         "model": "requests",
         "service": service,
         "scale": 1 if args.scale is None else _whole("--scale", args.scale, 1),
@@ -590,6 +622,12 @@ def run_requests(args, req: dict) -> int:
 
     K = check_whole_ticks(args.horizon, args.tick)
     scn = load_scenario_arg(args.scenario, allow_overload=args.allow_overload, command="simulate")
+    w = scn.workload
+    if w is not None and float(w.session_fraction) > 0 and req["service"] != "servers":
+        raise ValueError(
+            f"--service = {req['service']!r} is invalid: the scenario's workload has sessions, "
+            "which need --service servers (prefix caches live in the FIFO servers)"
+        )
     out = check_out_dir(args.out)
     from .._registry import flow_policy_names
 
@@ -616,6 +654,7 @@ def run_requests(args, req: dict) -> int:
                 leaf=req["leaf"],
                 probe_smoothing=req["probe_smoothing"],
                 estimation=req["estimation"] or "oracle",
+                affinity=req["affinity"],
                 scale=req["scale"],
                 trials=req["trials"],
                 seed=req["seed"],
@@ -643,6 +682,7 @@ def run_requests(args, req: dict) -> int:
         "estimation": {"mode": "oracle"}
         if req["estimation"] is None
         else req["estimation"].describe(),
+        "affinity": req["affinity"],
         "scale": req["scale"],
         "seed": req["seed"],
         "trials": req["trials"],
@@ -701,5 +741,14 @@ def _print_requests(summary: dict, args) -> None:
         for j in range(len(names))
     ]
     print(table(rows, ["cell", *summary["policies"]]))
+    with_sessions = [(p, r) for p, r in summary["policies"].items() if "cache_hit_rate" in r]
+    if with_sessions:
+        print(f"sessions, affinity {summary['affinity']}: prefix-cache hits and the busiest "
+              "server's share of the requests admitted in the window (%)")  # fmt: skip
+        rows = [
+            [p, _g(r["cache_hit_rate"], 100), _g(r["busiest_server_share"], 100)]
+            for p, r in with_sessions
+        ]
+        print(table(rows, ["policy", "cache hits %", "busiest server %"]))
     if args.out:
         print(f"wrote {args.out}/summary.json, counts.npz")

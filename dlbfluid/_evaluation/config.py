@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from .._defaults import (
+    AFFINITY_MODES,
     DURATION_SCALES,
     ESTIMATION_MODES,
     MITIGATION_DEFAULTS,
@@ -47,12 +48,29 @@ KINDS = (
     "heterogeneity",
     "tick",
     "recovery",
+    "affinity",
 )
 """Experiment kinds (`dlbfluid experiment KIND`)."""
 
-FLUID_KINDS = tuple(k for k in KINDS if k != "recovery")
-"""The kinds the fluid model runs (`recovery` compares routers' models estimated from
-requests, which the fluid model has not: request level only)."""
+REQUEST_ONLY_KINDS = ("recovery", "affinity")
+"""The kinds that run at request level only, in `servers` cells: `recovery` compares
+routers' models estimated from requests, `affinity` sessions and prefix caches, neither of
+which the fluid model has."""
+FLUID_KINDS = tuple(k for k in KINDS if k not in REQUEST_ONLY_KINDS)
+"""The kinds the fluid model runs (every kind but `REQUEST_ONLY_KINDS`)."""
+
+AFFINITY_SESSIONS = {
+    "fraction": 0.65,
+    "mean_length": 8.0,
+    "think_time": 10.0,
+    "prefix_reuse": 0.45,
+    "skew": 1.2,
+}
+"""The `affinity` kind's `workload.sessions` (theory/affinity.md): 65% of requests in
+sessions and 45% of a hit's prefill saved (the middles of the seed's 60-70% and 40-50%,
+§3.5), sessions of 8 requests 10 s apart, and a hot-session skew (Zipf exponent 1.2: the
+hottest of a root's hundreds of active sessions carries about a quarter of its session
+traffic)."""
 
 RECOVERY_SLOWDOWN = (3.0, 0.3, 0.5)
 """The `recovery` kind's slowdown: one cell of each scenario serves 3x slower from 30% to
@@ -90,7 +108,8 @@ def variants(kind: str) -> list[tuple[str, dict]]:
     (routers' models), `tick` (the variant's own tick), `slowdown` (factor, start and end
     as fractions of the horizon: a service schedule on one cell, `RECOVERY_SLOWDOWN`) and
     `estimation` (online estimation's fields beside the configuration's refit period and
-    window: the `recovery` kind's oracle, online and mitigated variants)."""
+    window: the `recovery` kind's oracle, online and mitigated variants) and `affinity`
+    (the `affinity` kind's modes, on scenarios with `AFFINITY_SESSIONS`)."""
     if kind == "baseline":
         return [("baseline", {})]
     if kind == "utilization":
@@ -111,6 +130,8 @@ def variants(kind: str) -> list[tuple[str, dict]]:
             (m, {**slow, "estimation": {MITIGATION_FIELDS[m]: v}})
             for m, v in MITIGATION_DEFAULTS.items()
         ]
+    if kind == "affinity":
+        return [(mode, {"affinity": mode}) for mode in AFFINITY_MODES]
     if kind == "tick":
         y = TICK_DURATION_SCALE
         return [(f"h={1e3 * h:g}ms", {"tick": h}) for h in TICKS] + [
@@ -262,6 +283,14 @@ class ExperimentConfig:
                 f"model = {self.model!r}, service = {self.service!r}, estimation = "
                 f"{self.estimation!r}: it runs at request level in servers cells (model "
                 "'requests', service 'servers'), its variants setting the estimation"
+            )
+        if self.experiment == "affinity" and (
+            self.model != "requests" or self.service != "servers"
+        ):
+            raise ValueError(
+                f"experiment = 'affinity' is invalid with model = {self.model!r}, service = "
+                f"{self.service!r}: sessions and prefix caches run at request level in servers "
+                "cells (model 'requests', service 'servers')"
             )
         if self.model == "requests" and self.experiment not in REQUEST_KINDS:
             raise ValueError(

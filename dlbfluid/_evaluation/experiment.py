@@ -48,9 +48,15 @@ from .._scenario import scenario_from_dict, stack_scenarios
 from .._service.estimation import fit_latency_model, perturb_service, sample_latency
 from .._simulate import simulate
 from .._stability import batch_critical_step_size
+from .config import (
+    AFFINITY_SESSIONS,
+    RECOVERY_SAVE,
+    RECOVERY_SLOWDOWN,
+    RECOVERY_TOLERANCE,
+    ExperimentConfig,
+)
 from .config import KINDS as KINDS
 from .config import POLICIES as POLICIES
-from .config import RECOVERY_SAVE, RECOVERY_SLOWDOWN, RECOVERY_TOLERANCE, ExperimentConfig
 from .generator import TOKEN_TIME_CV, _generate_kept, scenario_dicts
 from .step_rule import padded, paper_step_sizes
 
@@ -91,14 +97,23 @@ of `RECOVERY_SAVE` seconds (space-separated, 6 significant digits; `nan` for an 
 without deliveries): what `recovery_times` compares with the oracle run's."""
 
 
+AFFINITY_FIELDS = ("cache_hit_rate", "busiest_server_share")
+"""The columns of an `affinity` experiment: per run, the share of the requests admitted in
+the window that hit their server's prefix cache, and the largest share of them that one
+server admitted (`RequestSolution.cache_hit_rate`, `busiest_server_share`)."""
+
+
 def fields(cfg: ExperimentConfig) -> tuple[str, ...]:
     """The columns of `cfg`'s `results.csv`: `FIELDS`, plus `REQUEST_FIELDS` at request
     level (a fluid run's file is the one written before the twin existed), plus
-    `ESTIMATION_FIELDS` with online estimation (`RECOVERY_FIELDS` for `recovery`)."""
+    `ESTIMATION_FIELDS` with online estimation (`RECOVERY_FIELDS` for `recovery`,
+    `AFFINITY_FIELDS` for `affinity`)."""
     if cfg.model != "requests":
         return FIELDS
     if cfg.experiment == "recovery":
         return FIELDS + REQUEST_FIELDS + RECOVERY_FIELDS
+    if cfg.experiment == "affinity":
+        return FIELDS + REQUEST_FIELDS + AFFINITY_FIELDS
     extra = ESTIMATION_FIELDS if cfg.estimation == "online" else ()
     return FIELDS + REQUEST_FIELDS + extra
 
@@ -140,6 +155,11 @@ def _variant_batch(cfg: ExperimentConfig, options: dict):
             for s, d in enumerate(dicts):
                 j = next(int(o) for o in gen.outage_order[s] if gen.mask[s, o])
                 d["cells"][j]["service_schedule"] = dict(schedule)
+    if "affinity" in options:
+        # The affinity kind: every scenario's requests in sessions (`AFFINITY_SESSIONS`).
+        for dicts in per_trial:
+            for d in dicts:
+                d["workload"] = {**d["workload"], "sessions": dict(AFFINITY_SESSIONS)}
     scns = []
     for s in range(cfg.scenarios):
         for t in range(cfg.trials):
@@ -346,7 +366,10 @@ def summarise(
     kind, `horizon` given) add `recovery_time` to each variant but `oracle`
     (`_recovery_summary`: runs paired with the oracle variant's, recovered, censored with
     their bound, the mean of the recovered, p50 and p90 with censored runs counted as
-    infinite, null where the quantile is censored); the oracle variant's is null."""
+    infinite, null where the quantile is censored); the oracle variant's is null. Rows with
+    `AFFINITY_FIELDS` add `sessions`: the runs counted (those that succeeded beside Rand's),
+    the mean and 10th percentile of the cache hit rate, the mean and 90th percentile of the
+    busiest server's share."""
     by = {}
     for r in rows:
         by[(r["variant"], r["policy"], r["scenario"], r["trial"])] = r
@@ -360,7 +383,7 @@ def summarise(
                 continue
             norm, lat, err, failed = [], [], [], 0
             p90n, p90, fnorm, flat, ferr = [], [], [], [], []
-            ages, stale = [], []
+            ages, stale, hits, busiest = [], [], [], []
             for r in mine:
                 base = by.get((v, "rand", r["scenario"], r["trial"]))
                 if model == "requests" and base is not None:
@@ -380,6 +403,9 @@ def summarise(
                 if r.get("estimate_age_max", "") != "":
                     ages.append(float(r["estimate_age_max"]))
                     stale.append(int(r["estimate_stale_cells"]))
+                if r.get("cache_hit_rate", "") != "":
+                    hits.append(float(r["cache_hit_rate"]))
+                    busiest.append(float(r["busiest_server_share"]))
             q = lambda a, pct: float(np.percentile(a, pct)) if a else None  # noqa: E731
             m = lambda a: float(np.mean(a)) if a else None  # noqa: E731
             extra: dict = {"p90": None, "model": model}
@@ -396,6 +422,14 @@ def summarise(
                 extra["recovery_time"] = (
                     None if v == "oracle" else _recovery_summary(mine, oracle, horizon)
                 )
+            if mine and "cache_hit_rate" in mine[0]:
+                extra["sessions"] = {
+                    "runs": len(hits),
+                    "cache_hit_rate": m(hits),
+                    "cache_hit_rate_p10": q(hits, 10),
+                    "busiest_server_share": m(busiest),
+                    "busiest_server_share_p90": q(busiest, 90),
+                }
             if ages:
                 extra["estimation"] = {
                     "runs": len(ages),
@@ -623,6 +657,11 @@ def _row(cfg: ExperimentConfig, common: dict, st, run: dict, n_cells: int, util,
             )
         elif cfg.experiment == "recovery":
             extra.update(estimate_age_max="", estimate_samples_min="", estimate_stale_cells="")
+        if "hits" in run:
+            extra.update(
+                cache_hit_rate=f"{run['hits']:.10g}" if ok else "",
+                busiest_server_share=f"{run['busiest']:.10g}" if ok else "",
+            )
         if "share" in run:
             extra.update(
                 slowed_cell=str(int(run["slowed"])),
@@ -722,7 +761,8 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick, options=None):
     `ESTIMATION_FIELDS`' numbers over the real cells (`age_max`, `samples_min`, `stale`; an
     empty dict for the oracle). A variant's `options` may set the estimation (`recovery`);
     with a `slowdown` the runs also give `slowed` (the slowed cell) and `share`, its
-    share of the deliveries per `RECOVERY_SAVE` seconds (`RECOVERY_FIELDS`).
+    share of the deliveries per `RECOVERY_SAVE` seconds (`RECOVERY_FIELDS`); with an
+    `affinity` `hits` and `busiest` (`AFFINITY_FIELDS`).
 
     Across processes each process draws its share's streams from `cfg.seed` alone: the
     runs are statistically, not bitwise, those of a one-process run."""
@@ -738,6 +778,7 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick, options=None):
         probe_smoothing=cfg.probe_smoothing,
         leaf=PowerOfD(cfg.pod_d) if cfg.leaf == "pod" else "jsq",
         estimation=estimation,
+        affinity=options.get("affinity", "off"),
         seed=cfg.seed,
         step_size=eta,
         tick=tick,
@@ -763,6 +804,9 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick, options=None):
             "samples_min": np.min(np.where(real, samples, np.iinfo(np.int32).max), axis=-1),
             "stale": np.sum(real & (age >= cfg.estimation_window), axis=-1),
         }
+    if sol.cache_hit_rate is not None and sol.busiest_server_share is not None:
+        est["hits"] = np.asarray(sol.cache_hit_rate)[:, 0]
+        est["busiest"] = np.asarray(sol.busiest_server_share)[:, 0]
     if slowed:
         factors = np.asarray(batch.slowdown_factors)  # (B, n, entries)
         cell = np.argmax(np.max(factors, axis=-1), axis=-1)

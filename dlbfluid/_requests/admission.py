@@ -47,6 +47,7 @@ from .._policies import AbstractPolicy, TickSetup
 from .._scenario import Scenario
 from .._scenario.arrivals import rate_at
 from . import estimation as est_
+from . import sessions as sess_
 from ._leaf import AbstractLeaf, JoinShortestQueue
 from .fifo import FifoCells, ServiceClock, running, serve
 from .histogram import LatencyHistogram
@@ -105,7 +106,9 @@ class Lane(eqx.Module):
     `histogram`; `smoothing` (static) the probes' smoothing time constant (s; 0: none);
     `clocks` every cell's `ServiceClock` (arrays `(n, S)`; None without a service schedule);
     `estimation` (static) the online estimation's configuration and `est` its arrays
-    (`dlbfluid._requests.estimation`; None: the oracle, the scenario's `estimate`).
+    (`dlbfluid._requests.estimation`; None: the oracle, the scenario's `estimate`);
+    `affinity` (static) the sessions' configuration and `sess` their arrays
+    (`dlbfluid._requests.sessions`; None: no sessions).
     """
 
     scn: Scenario
@@ -129,6 +132,8 @@ class Lane(eqx.Module):
     clocks: ServiceClock | None = None
     estimation: est_.OnlineEstimation | None = eqx.field(static=True, default=None)
     est: est_.EstLane | None = None
+    affinity: sess_.Affinity | None = eqx.field(static=True, default=None)
+    sess: sess_.SessLane | None = None
 
 
 class FifoState(eqx.Module):
@@ -156,6 +161,7 @@ class FifoState(eqx.Module):
     of the busy servers, accumulated per request), `run_area` `(n,)` the integral of the
     running servers, `overflow` bits, `events` admissions made.
     **Estimation:** `est` the online estimation's state (`EstState`; None: the oracle).
+    **Sessions:** `sess` (`SessState`; None: no sessions).
     """
 
     key: Array
@@ -185,6 +191,7 @@ class FifoState(eqx.Module):
     overflow: Int[Array, ""]
     events: Int[Array, ""]
     est: est_.EstState | None = None
+    sess: sess_.SessState | None = None
 
 
 def _overlap(a, b, lo, hi):
@@ -260,6 +267,11 @@ def init_lane(ln: Lane, key) -> FifoState:
         est=None
         if ln.estimation is None or ln.est is None
         else est_.init_est(ln.estimation, ln.est, jr.fold_in(key, 7), dtype),
+        sess=None
+        if ln.affinity is None
+        else sess_.init_sessions(
+            ln.affinity, n, z.servers, z.rows + z.candidates, z.ring, z.inbox, dtype
+        ),
     )
     return redraw(ln, st, jnp.zeros((), jnp.int32))
 
@@ -289,8 +301,14 @@ def redraw(ln: Lane, st: FifoState, k0) -> FifoState:
         [jnp.full((z.candidates, 1), jnp.inf, dtype), jnp.zeros((z.candidates, 3), dtype)],
         axis=1,
     )
+    sess = st.sess
+    if sess is not None:  # (a key of its own: the other draws are those without sessions)
+        assert ln.sess is not None
+        cols_s = sess_.draw(ln.sess, jr.fold_in(st.key, 11), i, z.rows, z.candidates)
+        sess = dataclasses.replace(sess, cand=cols_s)
     return dataclasses.replace(
         st,
+        sess=sess,
         key=key,
         cand=jnp.concatenate([cand, pad]),
         ptr=jnp.zeros_like(st.ptr),
@@ -319,10 +337,11 @@ def refill(ln: Lane, st: FifoState) -> FifoState:
     )
 
 
-def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
+def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial, sid=None) -> FifoState:
     """Admit (if `ok`) a request of origin `origin` delivered to cell `j` at time `t` in
     tick `k` (module docstring, step 2). `initial`: one of the requests present at
-    $t = 0$ (no buffer test; it is in the count at $t_0$ already).
+    $t = 0$ (no buffer test; it is in the count at $t_0$ already). `sid`: its session
+    (-1: none; with sessions only, `dlbfluid._requests.sessions`).
 
     Cell $j$'s servers are read as one block and the chosen server's row written back
     whole: each array is read and written once per admission, the fewest kernels."""
@@ -330,7 +349,7 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     S = z.servers
     dtype = t.dtype
     tok = st.tokens[jnp.minimum(st.tptr, z.token_rows - 1)]
-    p = _place(ln, st, j, t, tok, initial)
+    p = _place(ln, st, j, t, tok, initial, sid)
     per, total, valid, pick = p.per, p.total, p.valid, p.pick
     s, new_row, c, p0, pf, vstart, dw = p.server, p.new_row, p.c, p.p0, p.pf, p.vstart, p.dw
     reject = ok & ~initial & (total.astype(dtype) >= st.buffer[j])
@@ -398,9 +417,15 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial) -> FifoState:
     if est is not None:
         assert ln.estimation is not None and ln.est is not None
         est = est_.record(ln.estimation, ln.est, est, j, total, ln.scale, t, c, do)
+    sess = st.sess
+    if sess is not None:
+        assert ln.sess is not None and sid is not None
+        in_win = (t >= w0) & (t < T) & ~initial
+        sess = sess_.admit(ln.sess, sess, j, s, sid, p.hit, t, do, in_win)
     return dataclasses.replace(
         st,
         est=est,
+        sess=sess,
         tptr=(st.tptr + do).astype(jnp.int32),
         srv=srv,
         cal=cal,
@@ -421,8 +446,8 @@ class _Placement(eqx.Module):
     """Where and when a request delivered to cell `j` at `t` would be served (`_place`):
     `per` `(S,)` requests per server and `total`, `valid` the running servers, the chosen
     `server` (`pick` one-hot), its row after the admission `new_row`, the completion `c`,
-    the prefill's start `p0` and end `pf`, the decode's start `vstart` (in seconds), and the
-    decode work `dw`."""
+    the prefill's start `p0` and end `pf`, the decode's start `vstart` (in seconds), the
+    decode work `dw`, and whether the server held the request's session prefix `hit`."""
 
     per: Array
     total: Array
@@ -435,12 +460,16 @@ class _Placement(eqx.Module):
     pf: Array
     vstart: Array
     dw: Array
+    hit: Array
 
 
-def _place(ln: Lane, st: FifoState, j, t, tok, initial) -> _Placement:
+def _place(ln: Lane, st: FifoState, j, t, tok, initial, sid=None) -> _Placement:
     """The leaf rule's choice and the FIFO recursions for a request of draws `tok`
-    delivered to cell `j` at `t` (`initial`: present at $t = 0$, round-robin), without
-    writing anything: `admit` writes the row, a background probe only reads `c`."""
+    delivered to cell `j` at `t` (`initial`: present at $t = 0$, round-robin; `sid` its
+    session, None or -1 for none), without writing anything: `admit` writes the row, a
+    background probe only reads `c`. With affinity a session's request joins the running
+    server that holds its prefix when it has room; a hit's prefill is $1 - r$ of its work
+    (`dlbfluid._requests.sessions`)."""
     D, S = ln.sizes.slots, ln.sizes.servers
     cells = ln.cells
     # A service schedule: cell j's rows are kept in its clock's units, where the servers
@@ -458,15 +487,25 @@ def _place(ln: Lane, st: FifoState, j, t, tok, initial) -> _Placement:
         # (in the clock's units, the tokens still to process are the work still to do)
         tokens = cells.tokens_waiting(j, st.srv[j, :, : 1 + D], now, D)
         s = jnp.where(initial, s, ln.leaf.choose(tok[3:], per, tokens, valid))
+    hit = jnp.zeros((), bool)
+    if st.sess is not None and sid is not None:
+        assert ln.affinity is not None and ln.sess is not None
+        has = sess_.cached(st.sess, j, sid)
+        if ln.affinity.mode != "off":
+            room = has & valid & (per < ln.sizes.queue)
+            s = jnp.where(jnp.any(room) & ~initial, jnp.argmax(room), s)
+        hit = has[s]
     pick = jnp.arange(S) == s
     row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
     pw, dw = cells.work(j, tok)
+    if ln.sess is not None and sid is not None:
+        pw = jnp.where(hit, (1.0 - ln.sess.reuse) * pw, pw)
     new_row, c, pf, vstart = serve(row, now, pw, dw, D)
     if clock is None:
         p0 = pf - pw  # (the prefill's start)
     else:  # (back to seconds: the completion, the prefill's start and end, the decode's start)
         c, p0, pf, vstart = clock.inverse(jnp.stack([c, jnp.maximum(now, row[0]), pf, vstart]))
-    return _Placement(per, total, valid, s, pick, new_row, c, p0, pf, vstart, dw)
+    return _Placement(per, total, valid, s, pick, new_row, c, p0, pf, vstart, dw, hit)
 
 
 def probe_cells(ln: Lane, st: FifoState, t) -> FifoState:
@@ -515,6 +554,11 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
     accept = valid & (win[:, 2] > 0)
     xc = st.xc[i]
     j = jnp.minimum(jnp.sum(xc <= (win[:, 3] * xc[:, -1])[:, None], -1), n - 1)
+    sess = st.sess
+    if sess is not None:
+        assert ln.affinity is not None
+        win_s = jax.lax.dynamic_slice_in_dim(sess.cand, st.ptr, z.candidates, axis=0)
+        j, sid, sess = sess_.resolve(ln.affinity, sess, win_s, i, j, accept)
     tau, m, r = setup.tau[i, j], setup.m[i, j], setup.r[i, j]
     v = k + m + (time - t0 + r >= h).astype(jnp.int32)
     slot = v % z.ring
@@ -528,6 +572,8 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
     inbox = st.inbox.at[rows, pos].set(jnp.stack([time + tau, time - tau], -1), mode="drop")
     inbox_j = st.inbox_j.at[rows, pos].set(j.astype(jnp.int32), mode="drop")
     inbox_n = st.inbox_n.at[rows].add(1, mode="drop")
+    if sess is not None:
+        sess = dataclasses.replace(sess, inbox=sess.inbox.at[rows, pos].set(sid, mode="drop"))
     s_ = st.stats
     in_win = time >= ln.warmup
     cells_ = jnp.arange(n)[None, :]
@@ -537,6 +583,7 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
     return dataclasses.replace(
         st,
         est=est,
+        sess=sess,
         ptr=st.ptr + got,
         active=active,
         buffer=buffer,
@@ -570,7 +617,8 @@ def admit_next(ln: Lane, st: FifoState, todo, k):
     ok = jnp.isfinite(t)
     slot = k % z.ring
     j, origin = st.inbox_j[slot, a], st.inbox[slot, a, 1]
-    st = admit(ln, st, k, j, jnp.where(ok, t, 0.0), origin, ok, jnp.zeros((), bool))
+    sid = None if st.sess is None else st.sess.inbox[slot, a]
+    st = admit(ln, st, k, j, jnp.where(ok, t, 0.0), origin, ok, jnp.zeros((), bool), sid)
     return st, todo.at[a].set(jnp.inf)
 
 
@@ -599,8 +647,16 @@ def finish(ln: Lane, st: FifoState, k) -> FifoState:
     slot = k % z.ring
     zi = jnp.zeros_like(st.tick_drops)
     stats = dataclasses.replace(st.stats, received=st.stats.received + st.tick_arrivals)
+    sess = st.sess
+    if sess is not None and ln.affinity is not None and ln.affinity.mode == "conditional":
+        assert ln.sess is not None
+        model = scn.estimate if st.est is None else est_.published_model(st.est)
+        seen = ring[(k + 1) & (setup.hist - 1)]  # (what the routers read at t_{k+1})
+        stay = sess_.stay_rule(ln.sess.saving, model, seen, setup.tau, scn.allowed)
+        sess = dataclasses.replace(sess, stay=stay)
     return dataclasses.replace(
         st,
+        sess=sess,
         stats=stats,
         count=(st.count + jnp.sum(row, axis=-1)).astype(jnp.int32),
         cal=st.cal.at[k % z.calendar].set(0),
@@ -648,7 +704,8 @@ def admit_initial(ln: Lane, st: FifoState, r) -> FifoState:
     ok = r < cum[-1]
     j = jnp.minimum(jnp.sum(cum <= r), ln.scn.n_cells - 1)
     zero = jnp.zeros((), st.cand.dtype)
-    return admit(ln, st, jnp.zeros((), jnp.int32), j, zero, zero, ok, jnp.ones((), bool))
+    sid = None if st.sess is None else jnp.asarray(-1, jnp.int32)
+    return admit(ln, st, jnp.zeros((), jnp.int32), j, zero, zero, ok, jnp.ones((), bool), sid)
 
 
 def run_tick(ln: Lane, k, st: FifoState) -> FifoState:

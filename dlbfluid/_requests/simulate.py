@@ -13,19 +13,21 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from .._defaults import ESTIMATION_MODES
+from .._defaults import AFFINITY_MODES, ESTIMATION_MODES
 from .._policies import AbstractPolicy, policy_from_name
 from .._precision import require_x64
 from .._results import RESULTS, view
 from .._runtime.devices import accepted_options, per_device
 from .._runtime.progress import Progress
 from .._scenario import Scenario
+from .._scenario.parse import CACHE_SESSIONS
 from .._service.base import code as law_code
 from .._simulate import _hist_len, _setup
 from .._validate import integer, number, period_ticks
 from .._validate import invalid as _bad
 from . import admission as adm
 from . import estimation as est_
+from . import sessions as sess_
 from ._leaf import AbstractLeaf, JoinShortestQueue, PowerOfD, leaf_from_name
 from .fifo import FifoCells, ServiceClock
 from .histogram import LatencyHistogram
@@ -38,6 +40,9 @@ REQUEST_STATUS = view("success", "nonfinite", aliases={"overflow": "solver_faile
 slots, server queues, arcs in flight) is reported as `solver_failed` (the solver's budget
 was too small; `RequestSolution.overflow` says which array, `raise_for_status` what to
 increase)."""
+
+SESSION_SLOTS_MAX = 1 << 16
+"""Largest number of session slots at a root (`dlbfluid._requests.sessions`)."""
 
 SERVICES = ("markov", "servers")
 """The cell kinds of `simulate_requests(service=...)`."""
@@ -69,6 +74,8 @@ class _Config(eqx.Module):
     estimation: est_.OnlineEstimation | None = None
     refit_ticks: int = 0
     probe_ticks: int = 0
+    # sessions and affinity (None: no sessions)
+    affinity: sess_.Affinity | None = None
 
 
 def _count(field: str, value, minimum: int = 1) -> int:
@@ -178,7 +185,24 @@ def _lane(scn, scale, eta, *, policy: AbstractPolicy, cfg: _Config) -> adm.Lane:
         ),
         estimation=cfg.estimation,
         est=None if cfg.estimation is None else est_.est_lane(cfg.estimation, scn.estimate),
+        affinity=cfg.affinity,
+        sess=None if cfg.affinity is None else _session_lane(scn, scale, shared, cfg.affinity),
     )
+
+
+def _session_lane(scn, scale, shared: dict, aff: sess_.Affinity) -> sess_.SessLane:
+    """The sessions' arrays of one scenario (`dlbfluid._requests.sessions`): a cell without
+    a `servers` object caches `CACHE_SESSIONS` sessions per server; a hit saves the prefill
+    time, the mean prompt's (App.-B) or the whole mean service (an exponential server)."""
+    w, sv = scn.workload, scn.servers
+    rate = scn.service.capacity / scn.replicas
+    unit = 1.0 / rate
+    cache = jnp.full(rate.shape, CACHE_SESSIONS, jnp.int32)
+    if sv is not None:
+        prompt = w.prompt_shift + w.prompt_shape * w.prompt_scale
+        unit = jnp.where(sv.mask, sv.prefill_token_time * prompt, unit)
+        cache = jnp.where(sv.mask, sv.cache_sessions, cache)
+    return sess_.session_lane(aff, w, shared["lam_max"], scale, cache, unit)
 
 
 def _outputs(st, counts, received, window: float, utilisation, horizon=None) -> dict:
@@ -190,6 +214,8 @@ def _outputs(st, counts, received, window: float, utilisation, horizon=None) -> 
     extra = {}
     if getattr(st, "est", None) is not None:
         extra["estimation"] = est_.report(st.est, horizon)
+    if getattr(st, "sess", None) is not None:
+        extra.update(sess_.report(st.sess))
     return dict(
         **extra,
         count=counts,
@@ -431,6 +457,40 @@ def _estimation_option(estimation, service: str) -> est_.OnlineEstimation | None
             "cells do not fix a request's latency at its admission)",
         )
     return online
+
+
+def _affinity_option(affinity, scn, service: str, k_b) -> sess_.Affinity | None:
+    """`simulate_requests(affinity=...)` checked against the scenario's sessions: None when
+    no scenario has sessions (every mode is then `off`, today's program)."""
+    if affinity not in AFFINITY_MODES:
+        raise _bad("affinity", affinity, f"allowed {', '.join(AFFINITY_MODES)}")
+    w = scn.workload
+    frac = np.zeros(1) if w is None else np.asarray(w.session_fraction)
+    if not np.any(frac > 0):
+        return None
+    if service != "servers":
+        raise _bad(
+            "service",
+            service,
+            "a scenario with workload.sessions needs service='servers' (sessions, prefix "
+            "caches and affinity live in the FIFO servers' admission engine)",
+        )
+    lam = np.where(np.asarray(scn.cell_mask), np.asarray(scn.arrival_rates).max(-1), 0.0)
+    slots = np.ceil(k_b[:, None] * (frac * np.asarray(w.think_time))[:, None] * lam)
+    M = int(max(1.0, float(slots.max())))
+    if M > SESSION_SLOTS_MAX:
+        raise _bad(
+            "workload.sessions",
+            f"{M} active sessions at a root",
+            f"at most {SESSION_SLOTS_MAX:,} (scale x fraction x peak rate x think_time): "
+            "shorten think_time",
+        )
+    sv = scn.servers
+    per = np.full(lam.shape, CACHE_SESSIONS)
+    if sv is not None:  # (as `_session_lane`: a cell without servers caches the default)
+        per = np.where(np.asarray(sv.mask), np.asarray(sv.cache_sessions), per)
+    C = int(max(1, per[np.asarray(scn.cell_mask)].max()))
+    return sess_.Affinity(str(affinity), _pow2(M), C)
 
 
 def _batch(scenario, scale):
@@ -693,6 +753,7 @@ def simulate_requests(
     leaf: str | AbstractLeaf = "jsq",
     probe_smoothing: float = 0.0,
     estimation: str | est_.OnlineEstimation = "oracle",
+    affinity: str = "off",
     dtype=None,
     throw: bool | None = None,
     progress: bool = False,
@@ -757,6 +818,13 @@ def simulate_requests(
       with the mitigations it names (`dlbfluid._requests.estimation`; theory/estimation.md,
       *Estimation in the loop*). The refit and probe periods must be whole numbers of
       ticks. The result's `estimation` reports the models at the horizon.
+    - `affinity`: with a scenario whose `workload` has `sessions` (`servers` cells only):
+      `"off"` (default; requests routed by the policy, prefix caches hit by chance),
+      `"sticky"` (a session's requests follow its first request's cell, and its prefix's
+      server there) or `"conditional"` (the paper's rule: stay while the expected latency
+      there minus the prefill a hit saves beats the best other cell's;
+      `dlbfluid._requests.sessions`, theory/affinity.md). The result's `cache_hit_rate`
+      and `busiest_server_share` report the caches. Without sessions every mode is `off`.
     - `dtype`: `jnp.float64` (default; needs JAX's x64 mode, `dlbfluid.enable_x64()`) or
       `jnp.float32`.
     - `throw`: raise on a failed scenario or trial; default True for one scenario.
@@ -795,6 +863,7 @@ def simulate_requests(
     if dtype == jnp.float64:
         require_x64("simulate_requests(dtype=float64)")  # (float32 runs without x64)
     scn, k_b, batched = _batch(scenario, scale)
+    aff = _affinity_option(affinity, scn, service, k_b)
     B, n = scn.replicas.shape
     h, T, w, K, n_save = _times(tick, horizon, warmup, n_save)
     eta_b = _step_sizes(step_size, B, n)
@@ -843,6 +912,7 @@ def simulate_requests(
         estimation=online,
         refit_ticks=refit_ticks,
         probe_ticks=probe_ticks,
+        affinity=aff,
     )
     scn = jax.tree_util.tree_map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, scn

@@ -56,6 +56,9 @@ class RequestSolution(eqx.Module):
     - `events`: event-loop iterations; `scale`: `(B,)` the scale $k$; `window`: $T - t_w$.
     - `estimation`: with online estimation, the cells' latency models at the horizon
       (`EstimationReport`: published parameters, window samples, age); None for the oracle.
+    - `cache_hit_rate`, `busiest_server_share`: with sessions (`affinity`), the share of
+      the requests admitted in the window whose session prefix was in their server's
+      cache, and the largest share that one server admitted; None without sessions.
     """
 
     t: Float[Array, " S"]
@@ -80,6 +83,8 @@ class RequestSolution(eqx.Module):
     policy: str = eqx.field(static=True, default="")
     service: str = eqx.field(static=True, default="markov")
     estimation: EstimationReport | None = None
+    cache_hit_rate: Float[Array, "..."] | None = None
+    busiest_server_share: Float[Array, "..."] | None = None
 
     def scenario(self, b: int) -> RequestSolution:
         """The trials of scenario `b` of a batched solution."""
@@ -165,7 +170,8 @@ class RequestSolution(eqx.Module):
         """JSON-shaped statistics of one scenario (index a batch first), pooled over its
         trials: latency mean (over all served requests), p50/p90/p99 (of the pooled
         histogram), their 90% intervals from the trials, error rate, served count and
-        per-cell means (theory/requests.md, *Outputs*)."""
+        per-cell means (theory/requests.md, *Outputs*); with sessions, the trials' mean
+        `cache_hit_rate` and `busiest_server_share`."""
         if self.status.ndim != 1:
             raise ValueError("summary() needs the trials of one scenario; index the batch")
         R = self.status.shape[0]
@@ -207,5 +213,13 @@ class RequestSolution(eqx.Module):
                 {}
                 if self.estimation is None
                 else {"estimation": {"cells": self.estimation.cells(n)}}
+            ),
+            **(
+                {}
+                if self.cache_hit_rate is None or self.busiest_server_share is None
+                else {
+                    "cache_hit_rate": float(np.mean(np.asarray(self.cache_hit_rate))),
+                    "busiest_server_share": float(np.mean(np.asarray(self.busiest_server_share))),
+                }
             ),
         }

@@ -16,7 +16,7 @@ import numpy as np
 from .._registry import SERVICE_MODELS
 from .._runtime.eager import to_device
 from .._service import ServiceModel, law
-from .model import Scenario, ServerCells, Workload, _server_cells
+from .model import NO_SESSIONS, Scenario, ServerCells, Workload, _server_cells
 
 
 def _param_default(sv: ServiceModel, key: str) -> float:
@@ -103,10 +103,13 @@ def pad_scenario(
             decode_token_time=to_device(cells(sv.decode_token_time, 1.0)),
             decode_engines=to_device(cells(sv.decode_engines, 1)),
             slots=to_device(cells(sv.slots, 1)),
+            cache_sessions=to_device(cells(sv.cache_sessions, 0)),
         )
     wl = scn.workload
     if wl is None and (with_servers or sv is not None):
-        wl = Workload(*(to_device(np.asarray(v, dtype=float)) for v in (1, 1, 0, 1, 1, 0)))
+        wl = Workload(
+            *(to_device(np.asarray(v, dtype=float)) for v in (1, 1, 0, 1, 1, 0, *NO_SESSIONS))
+        )
     return Scenario(
         arrival_times=to_device(cells(times, 0.0)),
         arrival_rates=to_device(cells(rates, 0.0)),

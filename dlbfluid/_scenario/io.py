@@ -84,6 +84,7 @@ def scenario_to_dict(scn: Scenario) -> dict:
                 "decode_token_time": float(sv.decode_token_time[j]),
                 "decode_engines": int(sv.decode_engines[j]),
                 "slots": int(sv.slots[j]),
+                "cache_sessions": int(sv.cache_sessions[j]),
             }
         cells.append(cell)
     tau = np.asarray(scn.latency)
@@ -100,8 +101,17 @@ def scenario_to_dict(scn: Scenario) -> dict:
     }
     w = scn.workload
     if w is not None:
-        out["workload"] = {
+        wl: dict[str, Any] = {
             f"{part}_tokens": {key: float(getattr(w, f"{part}_{key}")) for key in TOKEN_KEYS}
             for part in ("prompt", "output")
         }
+        if float(w.session_fraction) > 0:
+            wl["sessions"] = {
+                "fraction": float(w.session_fraction),
+                "mean_length": float(w.session_length),
+                "think_time": float(w.think_time),
+                "prefix_reuse": float(w.prefix_reuse),
+                "skew": float(w.session_skew),
+            }
+        out["workload"] = wl
     return out

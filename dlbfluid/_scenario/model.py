@@ -34,6 +34,8 @@ class ServerCells(eqx.Module):
     - `prefill_token_time`, `decode_token_time`: $t_p$, $t_d$ (s per token): a request of
       $P$ prompt and $D$ output tokens is prefilled in $Pt_p$ and decoded in $Dt_d$.
     - `decode_engines`, `slots`: decode engines per server and parallel slots per engine.
+    - `cache_sessions`: sessions whose prompt prefix each server's cache holds (least
+      recently used evicted first; 0: no cache; theory/affinity.md).
     """
 
     mask: Bool[Array, " n"]
@@ -42,6 +44,7 @@ class ServerCells(eqx.Module):
     decode_token_time: Float[Array, " n"]
     decode_engines: Int[Array, " n"]
     slots: Int[Array, " n"]
+    cache_sessions: Int[Array, " n"]
 
 
 class Workload(eqx.Module):
@@ -50,8 +53,17 @@ class Workload(eqx.Module):
     scale 0 makes the count the constant $\\delta$), independent (seed App. B; the
     generator's `ShiftedGamma`).
 
+    **Sessions** (theory/affinity.md, *Sessions*): a fraction `session_fraction` of the
+    requests belong to sessions of mean `session_length` requests whose requests come
+    `think_time` apart on average (at the root's peak rate), with Zipf exponent
+    `session_skew` over the sessions active at a root (0: equally active; larger: a few
+    hot sessions carry most requests); a request whose session's prefix is in its server's
+    cache is prefilled in `1 - prefix_reuse` of its time. `session_fraction` 0 (the
+    default): no sessions.
+
     **Fields:** `prompt_shift`, `prompt_shape`, `prompt_scale`, `output_shift`,
-    `output_shape`, `output_scale` (scalars; a batch adds a leading axis).
+    `output_shape`, `output_scale`, `session_fraction`, `session_length`, `think_time`,
+    `prefix_reuse`, `session_skew` (scalars; a batch adds a leading axis).
     """
 
     prompt_shift: Float[Array, ""]
@@ -60,6 +72,11 @@ class Workload(eqx.Module):
     output_shift: Float[Array, ""]
     output_shape: Float[Array, ""]
     output_scale: Float[Array, ""]
+    session_fraction: Float[Array, ""]
+    session_length: Float[Array, ""]
+    think_time: Float[Array, ""]
+    prefix_reuse: Float[Array, ""]
+    session_skew: Float[Array, ""]
 
 
 class Scenario(eqx.Module):
@@ -171,9 +188,9 @@ def _interp_rows(times, rates, t):
 
 def _server_cells(rows: list) -> ServerCells:
     """`ServerCells` from per-cell `_parse_servers` tuples (None: a cell without one)."""
-    filler = (0, 1.0, 1.0, 1, 1)
+    filler = (0, 1.0, 1.0, 1, 1, 0)
     vals = [r if r is not None else filler for r in rows]
-    col = [np.array([v[q] for v in vals]) for q in range(5)]
+    col = [np.array([v[q] for v in vals]) for q in range(6)]
     return ServerCells(
         mask=to_device(np.array([r is not None for r in rows])),
         count=to_device(col[0].astype(np.int32)),
@@ -181,7 +198,12 @@ def _server_cells(rows: list) -> ServerCells:
         decode_token_time=to_device(col[2].astype(float)),
         decode_engines=to_device(col[3].astype(np.int32)),
         slots=to_device(col[4].astype(np.int32)),
+        cache_sessions=to_device(col[5].astype(np.int32)),
     )
+
+
+NO_SESSIONS = (0.0, 1.0, 1.0, 0.0, 0.0)
+"""`Workload`'s session fields without sessions (fraction, length, think time, reuse, skew)."""
 
 
 def proportional_routing(allowed, weights, xp=np):

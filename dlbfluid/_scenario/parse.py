@@ -20,7 +20,7 @@ from .._runtime.eager import to_device
 from .._service import law, service_from_cells
 from .._validate import integer, invalid, number
 from .feasibility import check_capacity
-from .model import Scenario, Workload, _server_cells, weighted_random_routing
+from .model import NO_SESSIONS, Scenario, Workload, _server_cells, weighted_random_routing
 
 # The scenario's field errors are `ScenarioError`s; JSON may write a count as `4.0`.
 _err = functools.partial(invalid, error=ScenarioError)
@@ -48,9 +48,23 @@ _CELL_KEYS = (
     "servers",
 )
 
-SERVER_KEYS = ("count", "prefill_token_time", "decode_token_time", "decode_engines", "slots")
+SERVER_KEYS = (
+    "count",
+    "prefill_token_time",
+    "decode_token_time",
+    "decode_engines",
+    "slots",
+    "cache_sessions",
+)
 """Keys of a cell's `"servers"` object; `count` defaults to the cell's `replicas`,
-`decode_engines` to 2 and `slots` to 4 (seed App. B)."""
+`decode_engines` to 2 and `slots` to 4 (seed App. B), `cache_sessions` to
+`CACHE_SESSIONS`."""
+CACHE_SESSIONS = 64
+"""Sessions a server's prefix cache holds by default (theory/affinity.md, *Prefix caches*)."""
+CACHE_SESSIONS_MAX = 4096
+"""Largest `cache_sessions` (a static array axis of the twin)."""
+SESSION_KEYS = ("fraction", "mean_length", "think_time", "prefix_reuse", "skew")
+"""Keys of `workload.sessions` (`skew` optional, default 0)."""
 DECODE_SLOTS_MAX = 1024
 """Largest `decode_engines` x `slots` of a server (a static array axis of the twin)."""
 TOKEN_KEYS = ("shift", "shape", "scale")
@@ -138,7 +152,8 @@ def _parse_service(field: str, value: Any) -> tuple[str, dict[str, float]]:
 
 
 def _parse_servers(field: str, value: Any, replicas: float) -> tuple:
-    """`(count, t_p, t_d, engines, slots)` of a cell's `"servers"` object (seed App. B)."""
+    """`(count, t_p, t_d, engines, slots, cache_sessions)` of a cell's `"servers"` object
+    (seed App. B; theory/affinity.md)."""
     if not isinstance(value, dict):
         raise _err(field, value, f"expected an object with keys {', '.join(SERVER_KEYS)}")
     unknown = set(value) - set(SERVER_KEYS)
@@ -160,7 +175,13 @@ def _parse_servers(field: str, value: Any, replicas: float) -> tuple:
             value,
             f"decode_engines x slots = {engines * slots}: expected at most {DECODE_SLOTS_MAX}",
         )
-    return count, tp, td, engines, slots
+    cache = _integer(
+        f"{field}.cache_sessions",
+        value.get("cache_sessions", CACHE_SESSIONS),
+        0,
+        CACHE_SESSIONS_MAX,
+    )
+    return count, tp, td, engines, slots, cache
 
 
 def _parse_tokens(field: str, value: Any) -> tuple[float, float, float]:
@@ -176,18 +197,44 @@ def _parse_tokens(field: str, value: Any) -> tuple[float, float, float]:
     return shift, shape, scale
 
 
+def _parse_sessions(field: str, value: Any) -> tuple[float, ...]:
+    """`(fraction, mean_length, think_time, prefix_reuse, skew)` of `workload.sessions`
+    (theory/affinity.md, *Sessions*)."""
+    required = set(SESSION_KEYS) - {"skew"}
+    if not isinstance(value, dict) or not required <= set(value) <= set(SESSION_KEYS):
+        raise _err(
+            field,
+            value,
+            "expected an object with the keys fraction, mean_length, think_time, "
+            "prefix_reuse and optionally skew",
+        )
+    return (
+        _number(f"{field}.fraction", value["fraction"], lo=0.0, hi=1.0),
+        _number(f"{field}.mean_length", value["mean_length"], lo=1.0),
+        _number(f"{field}.think_time", value["think_time"], lo=0.0, lo_open=True),
+        _number(f"{field}.prefix_reuse", value["prefix_reuse"], lo=0.0, hi=1.0),
+        _number(f"{field}.skew", value.get("skew", 0.0), lo=0.0, hi=8.0),
+    )
+
+
 def _parse_workload(value: Any) -> Workload:
-    """The top-level `"workload"`: `{"prompt_tokens": LAW, "output_tokens": LAW}`."""
+    """The top-level `"workload"`: `{"prompt_tokens": LAW, "output_tokens": LAW,
+    "sessions"?: SESSIONS}`."""
     keys = {"prompt_tokens", "output_tokens"}
-    if not isinstance(value, dict) or set(value) != keys:
+    if not isinstance(value, dict) or not keys <= set(value) <= keys | {"sessions"}:
         raise _err(
             "workload",
             value,
-            "expected an object with exactly the keys prompt_tokens, output_tokens",
+            "expected an object with the keys prompt_tokens, output_tokens and optionally sessions",
         )
     p = _parse_tokens("workload.prompt_tokens", value["prompt_tokens"])
     o = _parse_tokens("workload.output_tokens", value["output_tokens"])
-    return Workload(*(to_device(np.asarray(v, dtype=float)) for v in (*p, *o)))
+    sess = (
+        _parse_sessions("workload.sessions", value["sessions"])
+        if "sessions" in value
+        else NO_SESSIONS
+    )
+    return Workload(*(to_device(np.asarray(v, dtype=float)) for v in (*p, *o, *sess)))
 
 
 SLOWDOWN_MAX = 1e6
