@@ -60,6 +60,7 @@ from .loop import (
     _cum_routing,
     _first_min,
     route,
+    routing_flag,
     tick_capacity,
 )
 
@@ -658,6 +659,7 @@ def finish(ln: Lane, st: FifoState, k) -> FifoState:
         st,
         sess=sess,
         stats=stats,
+        overflow=st.overflow | routing_flag(x),
         count=(st.count + jnp.sum(row, axis=-1)).astype(jnp.int32),
         cal=st.cal.at[k % z.calendar].set(0),
         inbox_n=st.inbox_n.at[slot].set(0),

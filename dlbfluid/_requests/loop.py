@@ -51,6 +51,15 @@ OVERFLOW_ARCS = 2
 """Overflow bit: an arc's ring of requests in flight was full."""
 OVERFLOW_EVENTS = 4
 """Overflow bit: a tick had more events than its block of random numbers (`events`)."""
+NONFINITE_ROUTING = 16
+"""Flag bit of `overflow`: a router's routing was not finite (a NaN or infinite cost, an
+update that diverged). A request routed by such a row would go to an arbitrary cell, so
+the trial's status is `nonfinite` (`simulate._status`), never `success`."""
+
+
+def routing_flag(x):
+    """`NONFINITE_ROUTING` where the routing `x` `(n, n)` has a non-finite entry, else 0."""
+    return jnp.where(jnp.all(jnp.isfinite(x)), 0, NONFINITE_ROUTING).astype(jnp.int32)
 
 
 class Stats(eqx.Module):
@@ -541,6 +550,7 @@ def _update(tr: Trial, k, t_end, st: LoopState) -> LoopState:
     return dataclasses.replace(
         st,
         stats=stats,
+        overflow=st.overflow | routing_flag(x),
         x=x,
         xc=xc,
         policy_state=pstate,

@@ -31,7 +31,7 @@ from . import sessions as sess_
 from ._leaf import AbstractLeaf, JoinShortestQueue, PowerOfD, leaf_from_name
 from .fifo import FifoCells, ServiceClock
 from .histogram import LatencyHistogram
-from .loop import Trial, _batched, init_state, run_tick
+from .loop import NONFINITE_ROUTING, Trial, _batched, init_state, run_tick
 from .markov import MarkovCells
 from .solution import RequestSolution
 
@@ -336,12 +336,16 @@ def _program(scn, scale, eta, keys, policy, cfg, report=None, real=None):
 
 
 def _status(overflow, finite):
-    """The `RESULTS` code of a trial: an overflow is `solver_failed`, a non-finite
-    statistic `nonfinite`."""
+    """The `RESULTS` code of a trial: a non-finite routing (`NONFINITE_ROUTING`) or
+    statistic is `nonfinite`, an overflow of a fixed-size array `solver_failed`."""
     status = jnp.where(
-        overflow != 0,
-        RESULTS.solver_failed,
-        jnp.where(finite, RESULTS.success, RESULTS.nonfinite),
+        (overflow & NONFINITE_ROUTING) != 0,
+        RESULTS.nonfinite,
+        jnp.where(
+            overflow != 0,
+            RESULTS.solver_failed,
+            jnp.where(finite, RESULTS.success, RESULTS.nonfinite),
+        ),
     )
     return status.astype(jnp.int32)
 

@@ -17,7 +17,7 @@ from .._runtime.eager import eager_jit
 from .admission import OVERFLOW_CALENDAR
 from .estimation import EstimationReport
 from .histogram import LatencyHistogram
-from .loop import OVERFLOW_ARCS, OVERFLOW_CELLS, OVERFLOW_EVENTS
+from .loop import NONFINITE_ROUTING, OVERFLOW_ARCS, OVERFLOW_CELLS, OVERFLOW_EVENTS
 
 
 @functools.partial(eager_jit, static_argnums=0)
@@ -52,7 +52,8 @@ class RequestSolution(eqx.Module):
     - `final_x`: `(..., n, n)` the routing at $T$.
     - `status`: `RESULTS` code per scenario and trial (`REQUEST_STATUS`); `overflow`:
       which fixed-size array overflowed (bits: 1 cell slots or server queues, 2 arcs,
-      4 events of a tick, 8 far completions of `servers` cells).
+      4 events of a tick, 8 far completions of `servers` cells), and bit 16 a router's
+      routing that was not finite (status `nonfinite`: `loop.NONFINITE_ROUTING`).
     - `events`: event-loop iterations; `scale`: `(B,)` the scale $k$; `window`: $T - t_w$.
     - `estimation`: with online estimation, the cells' latency models at the horizon
       (`EstimationReport`: published parameters, window samples, age); None for the oracle.
@@ -151,6 +152,8 @@ class RequestSolution(eqx.Module):
                 parts.append("an arc's requests in flight exceeded `arc_slots`: increase it")
             if np.any(ov[bad] & OVERFLOW_EVENTS):
                 parts.append("a tick had more events than `events`: increase it")
+            if np.any(ov[bad] & NONFINITE_ROUTING):
+                parts.append("a router's routing was not finite (a NaN or infinite cost)")
             if np.any(ov[bad] & OVERFLOW_CALENDAR):
                 parts.append(
                     "a cell held more completions beyond the count calendar than its far list "
