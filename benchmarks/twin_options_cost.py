@@ -9,9 +9,11 @@ default `simulate_requests'`), probe smoothing (`--smoothing` s) and a service s
 (each scenario's first cell 3x slower from 30% to 50% of the horizon, the recovery
 experiment's slowdown), online estimation (`OnlineEstimation()`: a refit every 5 s over
 60 s) and online estimation with its three mitigations (a probe per cell every second,
-shrinkage toward the prior worth 64 samples, dithering 0.1). Reports per variant the wall seconds (best steady call), compile
-seconds, admissions, the mean latency pooled over the lanes (what the option changes),
-and the ratio of its wall time to plain's.
+shrinkage toward the prior worth 64 samples, dithering 0.1), and sessions with each
+affinity mode (the `affinity` experiment's `AFFINITY_SESSIONS` on every scenario: prefix
+caches of 64 sessions per server; `off`, `sticky`, `conditional`). Reports per variant the
+wall seconds (best steady call), compile seconds, admissions, the mean latency pooled over
+the lanes (what the option changes), and the ratio of its wall time to plain's.
 
     python benchmarks/twin_options_cost.py --out benchmarks/results/twin_options_cost_cpu.json
 """
@@ -28,10 +30,22 @@ from _batches import appb_batch
 
 import dlbfluid
 from dlbfluid import simulate_requests
+from dlbfluid._defaults import AFFINITY_MODES
+from dlbfluid._evaluation.config import AFFINITY_SESSIONS
 from dlbfluid._requests._leaf import JoinShortestQueue, PowerOfD
 from dlbfluid._requests.estimation import OnlineEstimation
 
 MITIGATED = OnlineEstimation(probing=1.0, shrinkage=64.0, dithering=0.1)
+
+
+def _with_sessions(batch):
+    """`batch` whose workloads have the `affinity` experiment's sessions."""
+    w = batch.workload
+    fields = {"session_fraction": "fraction", "session_length": "mean_length",
+              "think_time": "think_time", "prefix_reuse": "prefix_reuse",
+              "session_skew": "skew"}  # fmt: skip
+    new = {f: jnp.full_like(getattr(w, f), AFFINITY_SESSIONS[k]) for f, k in fields.items()}
+    return dataclasses.replace(batch, workload=dataclasses.replace(w, **new))
 
 
 def _slowed(batch, horizon: float):
@@ -69,6 +83,7 @@ def main(argv=None):
     env = H.environment()
     plain = appb_batch(10, args.scenarios, horizon=args.horizon)
     slowed = _slowed(plain, args.horizon)
+    sessions = _with_sessions(plain)
     kw = dict(service="servers", trials=args.trials, horizon=args.horizon,
               warmup=0.25 * args.horizon, n_save=4, seed=0, throw=False)  # fmt: skip
     pods = [PowerOfD(d) for d in args.d]
@@ -79,8 +94,12 @@ def main(argv=None):
         ("service schedule", slowed, {}),
         ("online estimation", plain, {"estimation": "online"}),
         ("online, mitigated", plain, {"estimation": MITIGATED}),
-        ("all", slowed, {"leaf": pods[-1], "slots": args.pod_slots,
-                         "probe_smoothing": args.smoothing, "estimation": MITIGATED}),
+    ]
+    variants += [(f"sessions, {m}", sessions, {"affinity": m}) for m in AFFINITY_MODES]
+    variants += [
+        ("all", _with_sessions(slowed), {"leaf": pods[-1], "slots": args.pod_slots,
+                                         "probe_smoothing": args.smoothing,
+                                         "estimation": MITIGATED, "affinity": "conditional"}),
     ]  # fmt: skip
     out, rows = {}, []
     for name, batch, opts in variants:
@@ -95,12 +114,14 @@ def main(argv=None):
         out[name] = {
             "leaf": leaf.describe(),
             "probe_smoothing": opts.get("probe_smoothing", 0.0),
-            "service_schedule": batch is slowed,
+            "service_schedule": name == "service schedule" or name == "all",
+            "affinity": opts.get("affinity"),
             "estimation": (
                 {"mode": "oracle"}
                 if "estimation" not in opts
-                else (OnlineEstimation() if opts["estimation"] == "online"
-                      else opts["estimation"]).describe()
+                else (
+                    OnlineEstimation() if opts["estimation"] == "online" else opts["estimation"]
+                ).describe()
             ),  # fmt: skip
             "wall_s": t.wall_s,
             "compile_s": t.compile_s,
