@@ -34,8 +34,12 @@ def test_every_kind_is_recorded_at_the_faithful_defaults(kind):
     d = _recorded(kind)
     c = d["config"]
     assert d["experiment"] == c["experiment"] == kind
-    assert (c["scenarios"], c["horizon"], c["tick"], c["step_rule"]) == (10, 600.0, PROBE_TICK,
-                                                                        "paper")
+    assert (c["scenarios"], c["horizon"], c["tick"], c["step_rule"]) == (
+        10,
+        600.0,
+        PROBE_TICK,
+        "paper",
+    )
     assert c["trials"] >= 2 if kind in SWEEPS else c["trials"] == 5
     assert c["mnlb_error_aversion"] is False and tuple(c["policies"]) == POLICIES
     rows = {(r["variant"], r["policy"]): r for r in d["summary"]}
@@ -265,3 +269,101 @@ def test_request_level_table_quotes_the_records():
     ran = {k: _recorded_variants(k, _request_record(k)[0]["config"]) for k in REQUEST_KINDS}
     want = {(k, v, m) for k in REQUEST_KINDS for v in ran[k] for m in ("requests", "fluid")}
     assert seen == want
+
+
+# ----------------------------------------------------------------------------------------
+# The request-level-only kinds (issue 42): recovery and affinity
+# ----------------------------------------------------------------------------------------
+
+ONLY_KINDS = ("affinity",)
+"""Kinds recorded at request level only, for a subset of the policies, each in
+`notebooks/results/requests_KIND/` with its `record.json`."""
+
+
+def _only_problems(kind, summary, rows):
+    """What is wrong with a recovery or affinity record: an empty list for a consistent one
+    (every variant x policy present for every run, the summary recomputed from the rows)."""
+    from dlbfluid._evaluation.experiment import summarise
+
+    bad = []
+    c = summary["config"]
+    if (c["experiment"], c["model"], c["service"]) != (kind, "requests", "servers"):
+        bad.append(f"config {c['experiment']}, {c['model']}, {c['service']}")
+    if (c["tick"], c["step_rule"]) != (PROBE_TICK, "paper") or "rand" not in c["policies"]:
+        bad.append("not the paper's tick and step rule, or no Rand")
+    want = {(v, p) for v, _ in variants(kind) for p in c["policies"]}
+    runs = c["scenarios"] * c["trials"]
+    if len(rows) != len(want) * runs or {(r["variant"], r["policy"]) for r in rows} != want:
+        bad.append(f"{len(rows)} rows, expected {len(want)} x {runs}")
+    for r in rows:
+        if r["status"] != "success":
+            bad.append(f"status {r['status']} in {r['variant']} {r['policy']}")
+    again = summarise(rows, tuple(c["policies"]), "requests", c["horizon"])
+    if json.loads(json.dumps(again)) != summary["summary"]:
+        bad.append("the summary is not the rows' (summarise)")
+    return bad
+
+
+@pytest.mark.parametrize("kind", ONLY_KINDS)
+def test_request_only_record_is_consistent(kind):
+    summary, rows, record = _request_record(kind)
+    assert len(record["commit"]) >= 7 and record["rc"] == 0 and record["wall_s"] > 0
+    assert _only_problems(kind, summary, rows) == []
+    edited = json.loads(json.dumps(summary))
+    edited["summary"][-1]["normalized_latency"] *= 1.01
+    assert _only_problems(kind, edited, rows) != []  # (the negative control)
+    for s in summary["summary"]:
+        if kind == "recovery" and s["variant"] != "oracle":
+            rt = s["recovery_time"]
+            assert rt["recovered"] + rt["censored"] == rt["runs"] == s["runs"]
+            if s["policy"] == "rand":  # reads no latency model: the oracle's shares
+                assert rt["recovered"] == rt["runs"] and rt["p90_s"] == 0.0
+        if kind == "affinity":
+            assert s["sessions"]["runs"] == s["runs"] - s["failed"]
+
+
+def _only_table(kind):
+    """The rows of docs/results.md's table of `kind` (the first table after its heading)."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    heading = {"recovery": "### Recovery after a slowdown", "affinity": "### Sessions and affinity"}
+    section = text.split(heading[kind])[1]
+    table = "| variant" + section.split("\n| variant")[1].split("\n\n")[0]
+    lines = table.strip().splitlines()
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    return header, [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines[2:]]
+
+
+def _number(cell):
+    return None if cell == "-" else float(cell.strip("*"))
+
+
+@pytest.mark.parametrize("kind", ONLY_KINDS)
+def test_request_only_tables_quote_the_records(kind):
+    summary, _, _ = _request_record(kind)
+    recorded = {(s["variant"], s["policy"]): s for s in summary["summary"]}
+    header, rows = _only_table(kind)
+    assert header[:5] == ["variant", "policy", "lat/rand", "p90/rand", "errors %"]
+    seen = set()
+    for cells in rows:
+        s = recorded[(cells[0], cells[1])]
+        seen.add((cells[0], cells[1]))
+        assert _number(cells[2]) == pytest.approx(s["normalized_latency"], abs=5e-4)
+        assert _number(cells[3]) == pytest.approx(s["p90"], abs=5e-4)
+        assert _number(cells[4]) == pytest.approx(100 * s["error_rate"], abs=5.1e-3)
+        if kind == "recovery":
+            stale, recovered, p50, p90 = cells[5:9]
+            est, rt = s.get("estimation"), s["recovery_time"]
+            assert stale == ("-" if est is None else f"{est['stale_runs']}/{est['runs']}")
+            if rt is None:
+                assert recovered == p50 == p90 == "-"
+                continue
+            assert recovered == f"{rt['recovered']}/{rt['runs']}"
+            for cell, key in ((p50, "p50_s"), (p90, "p90_s")):
+                want = f"> {rt['censored_above_s']:g}" if rt[key] is None else f"{rt[key]:g}"
+                assert cell == want, (cells[:2], key)
+        else:
+            hits, busiest = cells[5:7]
+            sess = s["sessions"]
+            assert _number(hits) == pytest.approx(100 * sess["cache_hit_rate"], abs=0.05)
+            assert _number(busiest) == pytest.approx(100 * sess["busiest_server_share"], abs=0.05)
+    assert seen == set(recorded)
