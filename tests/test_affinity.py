@@ -152,6 +152,11 @@ def test_a_ticks_sessions_by_hand(mode):
         assert int(s1.next_id) == 9 and int(s1.current[1]) == 8 and int(s1.current[0]) == 0
         # each slot's home is the cell of its last request of the tick
         assert int(s1.home[0]) == int(cell[4]) and int(s1.home[1]) == int(cell[2])
+        # a, c and e had a cell to return to (home 1, b's, a's); those routed elsewhere moved
+        c = np.asarray(cell)
+        assert int(s1.returning) == 3
+        assert int(s1.moved) == int(c[0] != 1) + int(c[2] != c[1]) + int(c[4] != c[0])
+        assert int(s1.moved) == (0 if c.tolist() == [1] * 5 else 2)
 
 
 def test_conditional_rule_by_hand():
@@ -279,6 +284,7 @@ def test_affinity_on_the_command_line(tmp_path, capsys):
     assert res["affinity"] == "conditional"
     r = res["policies"]["flow-lat"]
     assert 0.2 < r["cache_hit_rate"] < F and 0.2 < r["busiest_server_share"] < 0.4
+    assert 0 <= r["session_move_rate"] < 0.5
     for extra, message in [
         (["--affinity", "always"], "--affinity = 'always' is invalid: allowed off, sticky, "),
         (["--service", "markov", "--affinity", "sticky"], "--affinity = 'sticky' is invalid"),
@@ -309,7 +315,7 @@ def test_affinity_experiment_variants_batch_rows_and_summary(monkeypatch):
             ex.ExperimentConfig("affinity", horizon=20.0, **bad)
     cfg = ex.ExperimentConfig("affinity", model="requests", service="servers", horizon=20.0,
                               scenarios=2, trials=1, policies=("rand",))  # fmt: skip
-    assert ex.fields(cfg)[-2:] == ("cache_hit_rate", "busiest_server_share")
+    assert ex.fields(cfg)[-3:] == ("cache_hit_rate", "busiest_server_share", "session_move_rate")
     opts = dict(variants("affinity"))["sticky"]
     _, batch, _ = ex._variant_batch(cfg, opts)
     w = batch.workload
@@ -328,6 +334,7 @@ def test_affinity_experiment_variants_batch_rows_and_summary(monkeypatch):
         estimation = None
         cache_hit_rate = np.array([[0.4], [0.3]])
         busiest_server_share = np.array([[0.05], [0.1]])
+        session_move_rate = np.array([[0.2], [0.0]])
 
     def stub(b, policy, **kw):
         seen.update(kw)
@@ -342,7 +349,8 @@ def test_affinity_experiment_variants_batch_rows_and_summary(monkeypatch):
             "f_err": 0.0, "f_status": "success"}  # fmt: skip
     rows = []
     for k in range(2):
-        run = {**base, "hits": est["hits"][k], "busiest": est["busiest"][k]}
+        run = {**base, "hits": est["hits"][k], "busiest": est["busiest"][k],
+               "moves": est["moves"][k]}  # fmt: skip
         rows.append(ex._row(cfg, {"experiment": "affinity", "variant": "sticky",
                                   "policy": "rand"}, (k, 0), run, 3, [0.8, 0.8], ""))  # fmt: skip
     assert rows[1]["cache_hit_rate"] == "0.3" and rows[1]["busiest_server_share"] == "0.1"
@@ -350,3 +358,4 @@ def test_affinity_experiment_variants_batch_rows_and_summary(monkeypatch):
     assert summary["sessions"]["runs"] == 2
     assert summary["sessions"]["cache_hit_rate"] == pytest.approx(0.35)
     assert summary["sessions"]["busiest_server_share"] == pytest.approx(0.075)
+    assert summary["sessions"]["session_move_rate"] == pytest.approx(0.1)

@@ -339,10 +339,9 @@ def _requests_table(summary: list[dict]) -> str:
     if any("sessions" in s for s in summary):  # (the affinity kind: its caches)
         for row, s in zip(rows, summary):
             sess = s.get("sessions") or {}
-            hits, busiest = sess.get("cache_hit_rate"), sess.get("busiest_server_share")
-            row += [_f(None if hits is None else 100 * hits),
-                    _f(None if busiest is None else 100 * busiest)]  # fmt: skip
-        header += ["cache hits %", "busiest server %"]
+            row += [_f(None if sess.get(k) is None else 100 * sess[k])
+                    for k in ("cache_hit_rate", "busiest_server_share", "session_move_rate")]  # fmt: skip
+        header += ["cache hits %", "busiest server %", "sessions moved %"]
     return table(rows, header)
 
 

@@ -97,10 +97,12 @@ of `RECOVERY_SAVE` seconds (space-separated, 6 significant digits; `nan` for an 
 without deliveries): what `recovery_times` compares with the oracle run's."""
 
 
-AFFINITY_FIELDS = ("cache_hit_rate", "busiest_server_share")
+AFFINITY_FIELDS = ("cache_hit_rate", "busiest_server_share", "session_move_rate")
 """The columns of an `affinity` experiment: per run, the share of the requests admitted in
-the window that hit their server's prefix cache, and the largest share of them that one
-server admitted (`RequestSolution.cache_hit_rate`, `busiest_server_share`)."""
+the window that hit their server's prefix cache, the largest share of them that one
+server admitted, and the share of the session requests with a cell to return to that were
+routed to another (`RequestSolution.cache_hit_rate`, `busiest_server_share`,
+`session_move_rate`)."""
 
 
 def fields(cfg: ExperimentConfig) -> tuple[str, ...]:
@@ -369,7 +371,7 @@ def summarise(
     infinite, null where the quantile is censored); the oracle variant's is null. Rows with
     `AFFINITY_FIELDS` add `sessions`: the runs counted (those that succeeded beside Rand's),
     the mean and 10th percentile of the cache hit rate, the mean and 90th percentile of the
-    busiest server's share."""
+    busiest server's share, the mean session move rate."""
     by = {}
     for r in rows:
         by[(r["variant"], r["policy"], r["scenario"], r["trial"])] = r
@@ -383,7 +385,7 @@ def summarise(
                 continue
             norm, lat, err, failed = [], [], [], 0
             p90n, p90, fnorm, flat, ferr = [], [], [], [], []
-            ages, stale, hits, busiest = [], [], [], []
+            ages, stale, hits, busiest, moves = [], [], [], [], []
             for r in mine:
                 base = by.get((v, "rand", r["scenario"], r["trial"]))
                 if model == "requests" and base is not None:
@@ -406,6 +408,7 @@ def summarise(
                 if r.get("cache_hit_rate", "") != "":
                     hits.append(float(r["cache_hit_rate"]))
                     busiest.append(float(r["busiest_server_share"]))
+                    moves.append(float(r["session_move_rate"]))
             q = lambda a, pct: float(np.percentile(a, pct)) if a else None  # noqa: E731
             m = lambda a: float(np.mean(a)) if a else None  # noqa: E731
             extra: dict = {"p90": None, "model": model}
@@ -429,6 +432,7 @@ def summarise(
                     "cache_hit_rate_p10": q(hits, 10),
                     "busiest_server_share": m(busiest),
                     "busiest_server_share_p90": q(busiest, 90),
+                    "session_move_rate": m(moves),
                 }
             if ages:
                 extra["estimation"] = {
@@ -661,6 +665,7 @@ def _row(cfg: ExperimentConfig, common: dict, st, run: dict, n_cells: int, util,
             extra.update(
                 cache_hit_rate=f"{run['hits']:.10g}" if ok else "",
                 busiest_server_share=f"{run['busiest']:.10g}" if ok else "",
+                session_move_rate=f"{run['moves']:.10g}" if ok else "",
             )
         if "share" in run:
             extra.update(
@@ -805,8 +810,10 @@ def _simulate_requests_unit(cfg, batch, pol, eta, aversion, tick, options=None):
             "stale": np.sum(real & (age >= cfg.estimation_window), axis=-1),
         }
     if sol.cache_hit_rate is not None and sol.busiest_server_share is not None:
+        assert sol.session_move_rate is not None
         est["hits"] = np.asarray(sol.cache_hit_rate)[:, 0]
         est["busiest"] = np.asarray(sol.busiest_server_share)[:, 0]
+        est["moves"] = np.asarray(sol.session_move_rate)[:, 0]
     if slowed:
         factors = np.asarray(batch.slowdown_factors)  # (B, n, entries)
         cell = np.argmax(np.max(factors, axis=-1), axis=-1)

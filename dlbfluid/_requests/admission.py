@@ -559,7 +559,8 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
     if sess is not None:
         assert ln.affinity is not None
         win_s = jax.lax.dynamic_slice_in_dim(sess.cand, st.ptr, z.candidates, axis=0)
-        j, sid, sess = sess_.resolve(ln.affinity, sess, win_s, i, j, accept)
+        in_window = (time >= ln.warmup) & (time < ln.horizon)
+        j, sid, sess = sess_.resolve(ln.affinity, sess, win_s, i, j, accept, in_window)
     tau, m, r = setup.tau[i, j], setup.m[i, j], setup.r[i, j]
     v = k + m + (time - t0 + r >= h).astype(jnp.int32)
     slot = v % z.ring

@@ -80,7 +80,9 @@ class SessState(eqx.Module):
     `inbox` `(L, C_in)` the session id of each delivery (-1: none); `tag` `(n, S, C)` the
     sessions whose prefixes each server holds (-1: empty) and `used` their last use;
     `stay` `(n, n)` the conditional rule of the tick (`stay_rule`); over the statistics
-    window: `hits`, and `per_server` `(n, S)` the requests each server admitted.
+    window: `hits`, `per_server` `(n, S)` the requests each server admitted, `returning`
+    the session requests that had a cell to return to (a predecessor's, or a home) and
+    `moved` those of them routed to another cell.
     """
 
     cand: Int[Array, "R 2"]
@@ -93,6 +95,8 @@ class SessState(eqx.Module):
     stay: Bool[Array, "n n"]
     hits: Int[Array, ""]
     per_server: Int[Array, "n S"]
+    returning: Int[Array, ""]
+    moved: Int[Array, ""]
 
 
 def session_lane(aff: Affinity, workload, lam_max, scale, cache_n, saving_unit) -> SessLane:
@@ -132,6 +136,8 @@ def init_sessions(aff: Affinity, n: int, servers: int, rows: int, ring: int, inb
         stay=jnp.ones((n, n), bool),
         hits=jnp.zeros((), jnp.int32),
         per_server=jnp.zeros((n, servers), jnp.int32),
+        returning=jnp.zeros((), jnp.int32),
+        moved=jnp.zeros((), jnp.int32),
     )
 
 
@@ -149,10 +155,11 @@ def draw(sl: SessLane, key, roots, rows: int, pad: int):
     return jnp.concatenate([cols, jnp.full((pad, 2), -1, jnp.int32)])
 
 
-def resolve(aff: Affinity, ss: SessState, win, i, routed, accept):
+def resolve(aff: Affinity, ss: SessState, win, i, routed, accept, in_window=None):
     """The sessions of a tick's candidates `win` `(A, 2)` (roots `i`, cells `routed` by the
     policy, `accept`: real requests): each one's session id (-1: none) and cell under the
-    affinity mode, and the state after them (slots' sessions and homes).
+    affinity mode, and the state after them (slots' sessions and homes; the requests in
+    the statistics window, `in_window` `(A,)`, counted in `returning` and `moved`).
 
     Candidates are in time order. A request's predecessor is the latest earlier one of its
     session in the tick, or else the session's home; `sticky` follows the predecessor's
@@ -196,6 +203,8 @@ def resolve(aff: Affinity, ss: SessState, win, i, routed, accept):
         cell = jax.lax.while_loop(
             lambda c: c[1] & (c[2] < A), body, (decide(routed), jnp.ones((), bool), 0)
         )[0]
+    prev = jnp.where(pred >= 0, cell[jnp.maximum(pred, 0)], prior)
+    back = is_s & (prev >= 0) & (True if in_window is None else in_window)
     later = jnp.any(same & (idx[None, :] > idx[:, None]), axis=-1)
     last = is_s & ~later
     out = ss.current.shape[0]  # (an index past the arrays: the write is dropped)
@@ -206,6 +215,8 @@ def resolve(aff: Affinity, ss: SessState, win, i, routed, accept):
         current=current,
         home=home,
         next_id=(ss.next_id + jnp.sum(new.astype(jnp.int32))).astype(jnp.int32),
+        returning=(ss.returning + jnp.sum(back.astype(jnp.int32))).astype(jnp.int32),
+        moved=(ss.moved + jnp.sum((back & (cell != prev)).astype(jnp.int32))).astype(jnp.int32),
     )
     return cell, sid, ss
 
@@ -256,12 +267,15 @@ def admit(sl: SessLane, ss: SessState, j, s, sid, hit, t, do, in_window) -> Sess
 
 
 def report(ss: SessState) -> dict:
-    """`cache_hit_rate` (hits over the requests admitted in the window) and
-    `busiest_server_share` (the largest share of them that one server admitted); 0 when
-    none was admitted."""
+    """`cache_hit_rate` (hits over the requests admitted in the window),
+    `busiest_server_share` (the largest share of them that one server admitted) and
+    `session_move_rate` (the session requests in the window that had a cell to return to
+    and were routed to another one, over those that had one); 0 where there is none."""
     total = jnp.sum(ss.per_server)
-    denom = jnp.maximum(total, 1).astype(ss.used.dtype)
+    dtype = ss.used.dtype
+    denom = jnp.maximum(total, 1).astype(dtype)
     return dict(
-        cache_hit_rate=ss.hits.astype(ss.used.dtype) / denom,
-        busiest_server_share=jnp.max(ss.per_server).astype(ss.used.dtype) / denom,
+        cache_hit_rate=ss.hits.astype(dtype) / denom,
+        busiest_server_share=jnp.max(ss.per_server).astype(dtype) / denom,
+        session_move_rate=ss.moved.astype(dtype) / jnp.maximum(ss.returning, 1).astype(dtype),
     )

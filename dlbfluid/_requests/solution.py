@@ -57,9 +57,11 @@ class RequestSolution(eqx.Module):
     - `events`: event-loop iterations; `scale`: `(B,)` the scale $k$; `window`: $T - t_w$.
     - `estimation`: with online estimation, the cells' latency models at the horizon
       (`EstimationReport`: published parameters, window samples, age); None for the oracle.
-    - `cache_hit_rate`, `busiest_server_share`: with sessions (`affinity`), the share of
-      the requests admitted in the window whose session prefix was in their server's
-      cache, and the largest share that one server admitted; None without sessions.
+    - `cache_hit_rate`, `busiest_server_share`, `session_move_rate`: with sessions
+      (`affinity`), the share of the requests admitted in the window whose session prefix
+      was in their server's cache, the largest share that one server admitted, and the
+      share of the window's session requests with a cell to return to that were routed to
+      another cell; None without sessions.
     """
 
     t: Float[Array, " S"]
@@ -86,6 +88,7 @@ class RequestSolution(eqx.Module):
     estimation: EstimationReport | None = None
     cache_hit_rate: Float[Array, "..."] | None = None
     busiest_server_share: Float[Array, "..."] | None = None
+    session_move_rate: Float[Array, "..."] | None = None
 
     def scenario(self, b: int) -> RequestSolution:
         """The trials of scenario `b` of a batched solution."""
@@ -174,7 +177,7 @@ class RequestSolution(eqx.Module):
         trials: latency mean (over all served requests), p50/p90/p99 (of the pooled
         histogram), their 90% intervals from the trials, error rate, served count and
         per-cell means (theory/requests.md, *Outputs*); with sessions, the trials' mean
-        `cache_hit_rate` and `busiest_server_share`."""
+        `cache_hit_rate`, `busiest_server_share` and `session_move_rate`."""
         if self.status.ndim != 1:
             raise ValueError("summary() needs the trials of one scenario; index the batch")
         R = self.status.shape[0]
@@ -223,6 +226,7 @@ class RequestSolution(eqx.Module):
                 else {
                     "cache_hit_rate": float(np.mean(np.asarray(self.cache_hit_rate))),
                     "busiest_server_share": float(np.mean(np.asarray(self.busiest_server_share))),
+                    "session_move_rate": float(np.mean(np.asarray(self.session_move_rate))),
                 }
             ),
         }
