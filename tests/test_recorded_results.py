@@ -362,8 +362,10 @@ def test_request_only_tables_quote_the_records(kind):
                 want = f"> {rt['censored_above_s']:g}" if rt[key] is None else f"{rt[key]:g}"
                 assert cell == want, (cells[:2], key)
         else:
-            hits, busiest = cells[5:7]
+            hits, busiest, moved, lat = cells[5:9]
             sess = s["sessions"]
             assert _number(hits) == pytest.approx(100 * sess["cache_hit_rate"], abs=0.05)
             assert _number(busiest) == pytest.approx(100 * sess["busiest_server_share"], abs=0.05)
+            assert _number(moved) == pytest.approx(100 * sess["session_move_rate"], abs=0.05)
+            assert _number(lat) == pytest.approx(s["mean_latency"], abs=5e-4)
     assert seen == set(recorded)
