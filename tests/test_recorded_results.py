@@ -275,7 +275,7 @@ def test_request_level_table_quotes_the_records():
 # The request-level-only kinds (issue 42): recovery and affinity
 # ----------------------------------------------------------------------------------------
 
-ONLY_KINDS = ("affinity",)
+ONLY_KINDS = ("recovery", "affinity")
 """Kinds recorded at request level only, for a subset of the policies, each in
 `notebooks/results/requests_KIND/` with its `record.json`."""
 
