@@ -146,8 +146,10 @@ def test_a_ticks_sessions_by_hand(mode):
         cases = [(st, [1, 1, 1, 1, 1]), (leave, [0, 1, 0, 1, 0])]
     expect = {"off": [0, 1, 0, 1, 0], "sticky": [1, 1, 1, 1, 1]}
     for s0, want in cases:
-        cell, sid, s1 = S.resolve(S.Affinity(mode, 4, 2), s0, win, i, routed, accept)
-        assert np.asarray(sid).tolist() == [0, 8, 8, -1, 0]
+        cell, req, s1 = S.resolve(S.Affinity(mode, 4, 2), s0, win, i, routed, accept)
+        assert np.asarray(req[:, 0]).tolist() == [0, 8, 8, -1, 0]  # session ids
+        assert np.asarray(req[[0, 1, 2, 4], 1]).tolist() == [0, 1, 1, 0]  # their slots
+        assert int(s1.server[1]) == -1  # (a new session: not yet mapped to a server)
         assert np.asarray(cell).tolist() == (want or expect[mode])
         assert int(s1.next_id) == 9 and int(s1.current[1]) == 8 and int(s1.current[0]) == 0
         # each slot's home is the cell of its last request of the tick

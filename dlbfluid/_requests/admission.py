@@ -341,8 +341,8 @@ def refill(ln: Lane, st: FifoState) -> FifoState:
 def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial, sid=None) -> FifoState:
     """Admit (if `ok`) a request of origin `origin` delivered to cell `j` at time `t` in
     tick `k` (module docstring, step 2). `initial`: one of the requests present at
-    $t = 0$ (no buffer test; it is in the count at $t_0$ already). `sid`: its session
-    (-1: none; with sessions only, `dlbfluid._requests.sessions`).
+    $t = 0$ (no buffer test; it is in the count at $t_0$ already). `sid`: its session's
+    id and slot `(2,)` (id -1: none; with sessions only, `dlbfluid._requests.sessions`).
 
     Cell $j$'s servers are read as one block and the chosen server's row written back
     whole: each array is read and written once per admission, the fewest kernels."""
@@ -467,9 +467,10 @@ class _Placement(eqx.Module):
 def _place(ln: Lane, st: FifoState, j, t, tok, initial, sid=None) -> _Placement:
     """The leaf rule's choice and the FIFO recursions for a request of draws `tok`
     delivered to cell `j` at `t` (`initial`: present at $t = 0$, round-robin; `sid` its
-    session, None or -1 for none), without writing anything: `admit` writes the row, a
-    background probe only reads `c`. With affinity a session's request joins the running
-    server that holds its prefix when it has room; a hit's prefill is $1 - r$ of its work
+    session's id and slot, None or id -1 for none), without writing anything: `admit`
+    writes the row, a background probe only reads `c`. With affinity a session's request
+    joins the running server where its session was last admitted, if that server still
+    holds its prefix and has room; a hit's prefill is $1 - r$ of its work
     (`dlbfluid._requests.sessions`)."""
     D, S = ln.sizes.slots, ln.sizes.servers
     cells = ln.cells
@@ -491,11 +492,11 @@ def _place(ln: Lane, st: FifoState, j, t, tok, initial, sid=None) -> _Placement:
     hit = jnp.zeros((), bool)
     if st.sess is not None and sid is not None:
         assert ln.affinity is not None and ln.sess is not None
-        has = sess_.cached(st.sess, j, sid)
         if ln.affinity.mode != "off":
-            room = has & valid & (per < ln.sizes.queue)
-            s = jnp.where(jnp.any(room) & ~initial, jnp.argmax(room), s)
-        hit = has[s]
+            last, found = sess_.last_server(st.sess, j, sid)
+            room = found & valid[last] & (per[last] < ln.sizes.queue) & ~initial
+            s = jnp.where(room, last, s)
+        hit = sess_.holds(st.sess, j, s, sid[0])
     pick = jnp.arange(S) == s
     row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
     pw, dw = cells.work(j, tok)
@@ -560,7 +561,7 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
         assert ln.affinity is not None
         win_s = jax.lax.dynamic_slice_in_dim(sess.cand, st.ptr, z.candidates, axis=0)
         in_window = (time >= ln.warmup) & (time < ln.horizon)
-        j, sid, sess = sess_.resolve(ln.affinity, sess, win_s, i, j, accept, in_window)
+        j, req, sess = sess_.resolve(ln.affinity, sess, win_s, i, j, accept, in_window)
     tau, m, r = setup.tau[i, j], setup.m[i, j], setup.r[i, j]
     v = k + m + (time - t0 + r >= h).astype(jnp.int32)
     slot = v % z.ring
@@ -575,7 +576,7 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
     inbox_j = st.inbox_j.at[rows, pos].set(j.astype(jnp.int32), mode="drop")
     inbox_n = st.inbox_n.at[rows].add(1, mode="drop")
     if sess is not None:
-        sess = dataclasses.replace(sess, inbox=sess.inbox.at[rows, pos].set(sid, mode="drop"))
+        sess = dataclasses.replace(sess, inbox=sess.inbox.at[rows, pos].set(req, mode="drop"))
     s_ = st.stats
     in_win = time >= ln.warmup
     cells_ = jnp.arange(n)[None, :]
@@ -707,7 +708,7 @@ def admit_initial(ln: Lane, st: FifoState, r) -> FifoState:
     ok = r < cum[-1]
     j = jnp.minimum(jnp.sum(cum <= r), ln.scn.n_cells - 1)
     zero = jnp.zeros((), st.cand.dtype)
-    sid = None if st.sess is None else jnp.asarray(-1, jnp.int32)
+    sid = None if st.sess is None else jnp.full((2,), -1, jnp.int32)
     return admit(ln, st, jnp.zeros((), jnp.int32), j, zero, zero, ok, jnp.ones((), bool), sid)
 
 

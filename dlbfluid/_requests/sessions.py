@@ -76,8 +76,10 @@ class SessState(eqx.Module):
 
     **Fields:** `cand` `(rows + A, 2)` per arrival candidate of the chunk its slot (-1: not
     a session request) and whether it starts a new session; `current` `(n M,)` each slot's
-    session id; `home` `(n M,)` the cell of each slot's session (-1: none yet); `next_id`;
-    `inbox` `(L, C_in)` the session id of each delivery (-1: none); `tag` `(n, S, C)` the
+    session id; `home` `(n M,)` the cell of each slot's session (-1: none yet); `server`
+    `(n M,)` where the slot's session was last admitted, cell x S + server (-1: not yet:
+    the servers' session -> server map); `next_id`; `inbox` `(L, C_in, 2)` the session id
+    of each delivery (-1: none) and its slot; `tag` `(n, S, C)` the
     sessions whose prefixes each server holds (-1: empty) and `used` their last use;
     `stay` `(n, n)` the conditional rule of the tick (`stay_rule`); over the statistics
     window: `hits`, `per_server` `(n, S)` the requests each server admitted, `returning`
@@ -88,8 +90,9 @@ class SessState(eqx.Module):
     cand: Int[Array, "R 2"]
     current: Int[Array, " nM"]
     home: Int[Array, " nM"]
+    server: Int[Array, " nM"]
     next_id: Int[Array, ""]
-    inbox: Int[Array, "L C"]
+    inbox: Int[Array, "L C 2"]
     tag: Int[Array, "n S C"]
     used: Float[Array, "n S C"]
     stay: Bool[Array, "n n"]
@@ -129,8 +132,9 @@ def init_sessions(aff: Affinity, n: int, servers: int, rows: int, ring: int, inb
         cand=jnp.full((rows, 2), -1, jnp.int32),
         current=jnp.arange(nm, dtype=jnp.int32),
         home=jnp.full((nm,), -1, jnp.int32),
+        server=jnp.full((nm,), -1, jnp.int32),
         next_id=jnp.asarray(nm, jnp.int32),
-        inbox=jnp.full((ring, inbox), -1, jnp.int32),
+        inbox=jnp.full((ring, inbox, 2), -1, jnp.int32),
         tag=jnp.full((n, servers, aff.cache), -1, jnp.int32),
         used=jnp.full((n, servers, aff.cache), -jnp.inf, dtype),
         stay=jnp.ones((n, n), bool),
@@ -147,8 +151,12 @@ def draw(sl: SessLane, key, roots, rows: int, pad: int):
     sessions); the `pad` rows past them are not session requests."""
     dtype = sl.slot_cum.dtype
     u = jr.uniform(key, (rows, 3), dtype)
-    cum = sl.slot_cum[roots]  # (rows, M)
-    slot = jnp.minimum(jnp.sum(cum <= u[:, 1:2], axis=-1), cum.shape[-1] - 1).astype(jnp.int32)
+    n, M = sl.slot_cum.shape
+    # One binary search over every root's cumulative weights, shifted by the root's index
+    # so that they increase across roots (root i's lie in (i, i + 1]): no (rows, M) gather.
+    flat = (jnp.arange(n, dtype=dtype)[:, None] + sl.slot_cum).reshape(-1)
+    pos = jnp.searchsorted(flat, roots.astype(dtype) + u[:, 1], side="right")
+    slot = jnp.clip(pos - roots * M, 0, M - 1).astype(jnp.int32)
     session = u[:, 0] < sl.fraction
     new = u[:, 2] < sl.renew[roots, slot]
     cols = jnp.stack([jnp.where(session, slot, -1), new.astype(jnp.int32)], axis=-1)
@@ -157,8 +165,8 @@ def draw(sl: SessLane, key, roots, rows: int, pad: int):
 
 def resolve(aff: Affinity, ss: SessState, win, i, routed, accept, in_window=None):
     """The sessions of a tick's candidates `win` `(A, 2)` (roots `i`, cells `routed` by the
-    policy, `accept`: real requests): each one's session id (-1: none) and cell under the
-    affinity mode, and the state after them (slots' sessions and homes; the requests in
+    policy, `accept`: real requests): each one's cell under the affinity mode, its session
+    id (-1: none) and slot `(A, 2)`, and the state after them (slots' sessions and homes; the requests in
     the statistics window, `in_window` `(A,)`, counted in `returning` and `moved`).
 
     Candidates are in time order. A request's predecessor is the latest earlier one of its
@@ -209,16 +217,18 @@ def resolve(aff: Affinity, ss: SessState, win, i, routed, accept, in_window=None
     last = is_s & ~later
     out = ss.current.shape[0]  # (an index past the arrays: the write is dropped)
     current = ss.current.at[jnp.where(new, g, out)].max(nid, mode="drop")
+    server = ss.server.at[jnp.where(new, g, out)].set(-1, mode="drop")
     home = ss.home.at[jnp.where(last, g, out)].set(cell, mode="drop")
     ss = dataclasses.replace(
         ss,
         current=current,
         home=home,
+        server=server,
         next_id=(ss.next_id + jnp.sum(new.astype(jnp.int32))).astype(jnp.int32),
         returning=(ss.returning + jnp.sum(back.astype(jnp.int32))).astype(jnp.int32),
         moved=(ss.moved + jnp.sum((back & (cell != prev)).astype(jnp.int32))).astype(jnp.int32),
     )
-    return cell, sid, ss
+    return cell, jnp.stack([sid, g.astype(jnp.int32)], axis=-1), ss
 
 
 def stay_rule(saving, latency_model, workload, tau, allowed):
@@ -238,15 +248,28 @@ def stay_rule(saving, latency_model, workload, tau, allowed):
     return (cost - saving[None, :] < alt) | ~jnp.isfinite(alt)
 
 
-def cached(ss: SessState, j, sid):
-    """`(S,)` the servers of cell `j` that hold session `sid`'s prefix (none for -1)."""
-    return jnp.any(ss.tag[j] == sid, axis=-1) & (sid >= 0)
+def holds(ss: SessState, j, s, sid):
+    """Whether server `s` of cell `j` holds session `sid`'s prefix (False for -1)."""
+    return jnp.any(ss.tag[j, s] == sid) & (sid >= 0)
 
 
-def admit(sl: SessLane, ss: SessState, j, s, sid, hit, t, do, in_window) -> SessState:
-    """A request of session `sid` admitted (if `do`) to server `s` of cell `j` at `t`: its
-    prefix enters (or is refreshed in) the server's cache, evicting the least recently
-    used; the window's counts."""
+def last_server(ss: SessState, j, req):
+    """`(server, found)`: the server of cell `j` where the session of `req` = (id, slot)
+    was last admitted, and whether it is there and still holds its prefix (the servers'
+    session -> server map: one cache row read, not the cell's)."""
+    sid, g = req[0], req[1]
+    S = ss.tag.shape[1]
+    w = ss.server[g]
+    mine = (sid >= 0) & (ss.current[g] == sid) & (w >= 0) & (w // S == j)
+    s = jnp.where(mine, w % S, 0)
+    return s, mine & holds(ss, j, s, sid)
+
+
+def admit(sl: SessLane, ss: SessState, j, s, req, hit, t, do, in_window) -> SessState:
+    """A request of session `req` = (id, slot) admitted (if `do`) to server `s` of cell `j`
+    at `t`: its prefix enters (or is refreshed in) the server's cache, evicting the least
+    recently used, and the slot's session is mapped to the server; the window's counts."""
+    sid, g = req[0], req[1]
     C = ss.tag.shape[-1]
     tags, used = ss.tag[j, s], ss.used[j, s]
     room = jnp.arange(C) < sl.cache_n[j]
@@ -257,8 +280,12 @@ def admit(sl: SessLane, ss: SessState, j, s, sid, hit, t, do, in_window) -> Sess
     S = ss.tag.shape[1]
     row = jnp.where(put, s, S)
     count = (do & in_window).astype(jnp.int32)
+    mapped = do & (sid >= 0) & (ss.current[g] == sid)
     return dataclasses.replace(
         ss,
+        server=ss.server.at[jnp.where(mapped, g, ss.server.shape[0])].set(
+            (j * S + s).astype(jnp.int32), mode="drop"
+        ),
         tag=ss.tag.at[j, row, e].set(sid, mode="drop"),
         used=ss.used.at[j, row, e].set(t, mode="drop"),
         hits=ss.hits + (count * hit).astype(jnp.int32),
