@@ -381,6 +381,7 @@ def _stub_simulate_requests(monkeypatch, ex, estimation=None, cell_mask=None) ->
 
     Stub.estimation = estimation
     Stub.cell_mask = cell_mask
+    Stub.cache_hit_rate = Stub.busiest_server_share = Stub.session_move_rate = None
 
     def stub(batch, policy, **kw):
         seen.update(kw)
