@@ -636,6 +636,7 @@ def finish(ln: Lane, st: FifoState, k) -> FifoState:
     before = jnp.arange(n + 1)[None, None, :] <= ln.rank[:, :, None]
     probes = st.count[None, :] + jnp.sum(jnp.where(before, row[None, :, :], 0), axis=-1)
     t_end = (k + 1).astype(dtype) * setup.h
+    published = None if st.est is None else est_.published_model(st.est)
     x, xc, pstate, ring = route(
         ln,
         st.policy_state,
@@ -645,7 +646,7 @@ def finish(ln: Lane, st: FifoState, k) -> FifoState:
         t_end,
         st.tick_drops,
         st.tick_arrivals,
-        estimate=None if st.est is None else est_.published_model(st.est),
+        estimate=published,
     )
     slot = k % z.ring
     zi = jnp.zeros_like(st.tick_drops)
@@ -653,7 +654,7 @@ def finish(ln: Lane, st: FifoState, k) -> FifoState:
     sess = st.sess
     if sess is not None and ln.affinity is not None and ln.affinity.mode == "conditional":
         assert ln.sess is not None
-        model = scn.estimate if st.est is None else est_.published_model(st.est)
+        model = scn.estimate if published is None else published
         seen = ring[(k + 1) & (setup.hist - 1)]  # (what the routers read at t_{k+1})
         stay = sess_.stay_rule(ln.sess.saving, model, seen, setup.tau, scn.allowed)
         sess = dataclasses.replace(sess, stay=stay)
