@@ -106,9 +106,11 @@ def test_slots_and_renewals_follow_their_formulas():
     lam = jnp.asarray([2.0])
     sl = S.session_lane(aff, wl, lam, jnp.asarray(1.0), jnp.asarray([4]), jnp.asarray([0.1]))
     rows = 200_000
-    cols = np.asarray(S.draw(sl, jax.random.PRNGKey(0), jnp.zeros(rows, jnp.int32), rows, 3))
-    assert np.all(cols[rows:] == -1)
-    slot, new = cols[:rows, 0], cols[:rows, 1]
+    st = S.init_sessions(aff, 1, 1, rows + 3, 4, 4, jnp.float64)
+    roots, keep = jnp.zeros(rows, jnp.int32), jnp.ones(rows, bool)
+    cols = np.asarray(S.draw(sl, st, jax.random.PRNGKey(0), roots, keep, rows, 3).cand)
+    assert np.all(cols[rows:, 0] == -1)
+    slot, new = cols[:rows, 1], cols[:rows, 4]
     w = np.array([12, 6, 4, 3]) / 25
     freq = np.bincount(slot, minlength=8) / rows
     se = np.sqrt(w * (1 - w) / rows)
@@ -135,8 +137,9 @@ def test_a_ticks_sessions_by_hand(mode):
     session 8 (n M = 8 ids exist at t = 0). `sticky`: a and e go home to 1, c follows b to
     1. `conditional` with stay[0, 1] False: nobody stays, every request is routed; with it
     True, as sticky. `off`: as routed."""
-    st = _state()
-    win = jnp.asarray([[0, 0], [1, 1], [1, 0], [-1, 0], [0, 0]], jnp.int32)
+    g = jnp.asarray([0, 1, 1, 0, 0], jnp.int32)
+    new = jnp.asarray([False, True, False, False, False])
+    win, st = S.link(_state(), g, new, jnp.asarray([True, True, True, False, True]))
     i = jnp.zeros(5, jnp.int32)
     routed = jnp.asarray([0, 1, 0, 1, 0])
     accept = jnp.ones(5, bool)
@@ -146,10 +149,10 @@ def test_a_ticks_sessions_by_hand(mode):
         cases = [(st, [1, 1, 1, 1, 1]), (leave, [0, 1, 0, 1, 0])]
     expect = {"off": [0, 1, 0, 1, 0], "sticky": [1, 1, 1, 1, 1]}
     for s0, want in cases:
-        cell, req, s1 = S.resolve(S.Affinity(mode, 4, 2), s0, win, i, routed, accept)
+        cell, req, s1 = S.resolve(S.Affinity(mode, 4, 2), s0, win, 0, 5, i, routed, accept)
         assert np.asarray(req[:, 0]).tolist() == [0, 8, 8, -1, 0]  # session ids
         assert np.asarray(req[[0, 1, 2, 4], 1]).tolist() == [0, 1, 1, 0]  # their slots
-        assert int(s1.server[1]) == -1  # (a new session: not yet mapped to a server)
+        assert int(s1.server[1, 1]) == -1  # (a new session: not yet mapped to a server)
         assert np.asarray(cell).tolist() == (want or expect[mode])
         assert int(s1.next_id) == 9 and int(s1.current[1]) == 8 and int(s1.current[0]) == 0
         # each slot's home is the cell of its last request of the tick
@@ -160,6 +163,43 @@ def test_a_ticks_sessions_by_hand(mode):
         assert int(s1.moved) == int(c[0] != 1) + int(c[2] != c[1]) + int(c[4] != c[0])
         assert int(s1.moved) == (0 if c.tolist() == [1] * 5 else 2)
 
+
+
+def _link_by_loop(current, next_id, g, new, is_s):
+    """The sessions of a chunk's candidates, one at a time (the reference of `link`)."""
+    cur, nid = list(current), next_id
+    sid, pred, nxt, seen = [-1] * len(g), [-1] * len(g), [S.NONE] * len(g), {}
+    for a, (u, fresh, real) in enumerate(zip(g, new, is_s)):
+        if not real:
+            continue
+        if fresh:
+            cur[u], nid = nid, nid + 1
+        sid[a] = cur[u]
+        if u in seen:
+            nxt[seen[u]] = a
+            if not fresh:
+                pred[a] = seen[u]
+        seen[u] = a
+    return sid, pred, nxt, cur, nid
+
+
+def test_link_agrees_with_a_loop():
+    """`link` (one sort per chunk) against a request-by-request loop on 300 random
+    candidates over 6 slots: ids, previous requests, next requests of the slot, the slots'
+    latest ids and the next id. A version that forgot the slot's current id, or chained a
+    request to a session before a new start, disagrees here."""
+    rng = np.random.default_rng(3)
+    R, nm = 300, 6
+    g = rng.integers(0, nm, R)
+    new, is_s = rng.random(R) < 0.2, rng.random(R) < 0.7
+    st = S.init_sessions(S.Affinity("sticky", 3, 2), 2, 1, R, 4, 4, jnp.float64)
+    cols, s1 = S.link(st, jnp.asarray(g, jnp.int32), jnp.asarray(new), jnp.asarray(is_s))
+    sid, pred, nxt, cur, nid = _link_by_loop(range(nm), nm, g, new, is_s)
+    cols = np.asarray(cols)
+    assert cols[:, 0].tolist() == sid and cols[:, 2].tolist() == pred
+    assert cols[:, 3].tolist() == nxt and np.asarray(s1.current).tolist() == cur
+    assert int(s1.next_id) == nid and np.all(cols[is_s, 1] == g[is_s])
+    assert len(set(sid) - {-1}) > 30  # (many sessions, several per slot)
 
 def test_conditional_rule_by_hand():
     """Three M/M/1 cells (latency (1 + N)/mu), root 0 sees workloads (1, 0, 3) with

@@ -305,8 +305,8 @@ def redraw(ln: Lane, st: FifoState, k0) -> FifoState:
     sess = st.sess
     if sess is not None:  # (a key of its own: the other draws are those without sessions)
         assert ln.sess is not None
-        cols_s = sess_.draw(ln.sess, jr.fold_in(st.key, 11), i, z.rows, z.candidates)
-        sess = dataclasses.replace(sess, cand=cols_s)
+        real = keep & (times < t0 + z.chunk * h)  # (the later rows are never used)
+        sess = sess_.draw(ln.sess, sess, jr.fold_in(st.key, 11), i, real, z.rows, z.candidates)
     return dataclasses.replace(
         st,
         sess=sess,
@@ -422,7 +422,7 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial, sid=None) -> Fi
     if sess is not None:
         assert ln.sess is not None and sid is not None
         in_win = (t >= w0) & (t < T) & ~initial
-        sess = sess_.admit(ln.sess, sess, j, s, sid, p.hit, t, do, in_win)
+        sess = sess_.admit(ln.sess, sess, j, s, sid, p.hit, p.crow, st.events, do, in_win)
     return dataclasses.replace(
         st,
         est=est,
@@ -448,7 +448,8 @@ class _Placement(eqx.Module):
     `per` `(S,)` requests per server and `total`, `valid` the running servers, the chosen
     `server` (`pick` one-hot), its row after the admission `new_row`, the completion `c`,
     the prefill's start `p0` and end `pf`, the decode's start `vstart` (in seconds), the
-    decode work `dw`, and whether the server held the request's session prefix `hit`."""
+    decode work `dw`, whether the server held the request's session prefix `hit` and its
+    cache row `crow` (None without sessions)."""
 
     per: Array
     total: Array
@@ -462,6 +463,7 @@ class _Placement(eqx.Module):
     vstart: Array
     dw: Array
     hit: Array
+    crow: Array | None
 
 
 def _place(ln: Lane, st: FifoState, j, t, tok, initial, sid=None) -> _Placement:
@@ -489,14 +491,15 @@ def _place(ln: Lane, st: FifoState, j, t, tok, initial, sid=None) -> _Placement:
         # (in the clock's units, the tokens still to process are the work still to do)
         tokens = cells.tokens_waiting(j, st.srv[j, :, : 1 + D], now, D)
         s = jnp.where(initial, s, ln.leaf.choose(tok[3:], per, tokens, valid))
-    hit = jnp.zeros((), bool)
+    hit, crow = jnp.zeros((), bool), None
     if st.sess is not None and sid is not None:
         assert ln.affinity is not None and ln.sess is not None
         if ln.affinity.mode != "off":
             last, found = sess_.last_server(st.sess, j, sid)
             room = found & valid[last] & (per[last] < ln.sizes.queue) & ~initial
             s = jnp.where(room, last, s)
-        hit = sess_.holds(st.sess, j, s, sid[0])
+        crow = st.sess.cache[j, s]
+        hit = sess_.holds(crow, sid[0])
     pick = jnp.arange(S) == s
     row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
     pw, dw = cells.work(j, tok)
@@ -507,7 +510,7 @@ def _place(ln: Lane, st: FifoState, j, t, tok, initial, sid=None) -> _Placement:
         p0 = pf - pw  # (the prefill's start)
     else:  # (back to seconds: the completion, the prefill's start and end, the decode's start)
         c, p0, pf, vstart = clock.inverse(jnp.stack([c, jnp.maximum(now, row[0]), pf, vstart]))
-    return _Placement(per, total, valid, s, pick, new_row, c, p0, pf, vstart, dw, hit)
+    return _Placement(per, total, valid, s, pick, new_row, c, p0, pf, vstart, dw, hit, crow)
 
 
 def probe_cells(ln: Lane, st: FifoState, t) -> FifoState:
@@ -561,7 +564,7 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
         assert ln.affinity is not None
         win_s = jax.lax.dynamic_slice_in_dim(sess.cand, st.ptr, z.candidates, axis=0)
         in_window = (time >= ln.warmup) & (time < ln.horizon)
-        j, req, sess = sess_.resolve(ln.affinity, sess, win_s, i, j, accept, in_window)
+        j, req, sess = sess_.resolve(ln.affinity, sess, win_s, st.ptr, got, i, j, accept, in_window)
     tau, m, r = setup.tau[i, j], setup.m[i, j], setup.r[i, j]
     v = k + m + (time - t0 + r >= h).astype(jnp.int32)
     slot = v % z.ring

@@ -74,32 +74,38 @@ class SessLane(eqx.Module):
 class SessState(eqx.Module):
     """The sessions' state of one lane.
 
-    **Fields:** `cand` `(rows + A, 2)` per arrival candidate of the chunk its slot (-1: not
-    a session request) and whether it starts a new session; `current` `(n M,)` each slot's
-    session id; `home` `(n M,)` the cell of each slot's session (-1: none yet); `server`
-    `(n M,)` where the slot's session was last admitted, cell x S + server (-1: not yet:
-    the servers' session -> server map); `next_id`; `inbox` `(L, C_in, 2)` the session id
-    of each delivery (-1: none) and its slot; `tag` `(n, S, C)` the
-    sessions whose prefixes each server holds (-1: empty) and `used` their last use;
-    `stay` `(n, n)` the conditional rule of the tick (`stay_rule`); over the statistics
-    window: `hits`, `per_server` `(n, S)` the requests each server admitted, `returning`
-    the session requests that had a cell to return to (a predecessor's, or a home) and
-    `moved` those of them routed to another cell.
+    **Fields:** `cand` `(rows + A, 5)` per arrival candidate of the chunk (`link`): its
+    session id (-1: not a session request), its slot $g = iM + u$, the row of its
+    session's previous request in the chunk (-1: none, or it starts the session), the row
+    of the next request of its slot in the chunk (`NONE` past the last) and whether it
+    starts a new session; `current` `(n M,)` each slot's latest session id (as of the
+    chunk's end); `home` `(n M,)` the cell of each slot's session (-1: none yet);
+    `server` `(n M, 2)` the servers' session -> server map, one entry per slot: where a
+    session of the slot was last admitted (cell x S + server) and that session's id (-1:
+    none); `next_id`; `inbox` `(L, C_in, 2)` the session id of each delivery (-1: none)
+    and its slot; `cache` `(n, S, C, 2)` the sessions whose prefixes each server holds
+    (-1: empty) and their last use (the lane's admission count then, -1: never); `stay` `(n, n)` the conditional rule of the tick
+    (`stay_rule`); over the statistics window: `hits`, `per_server` `(n, S)` the requests
+    each server admitted, `returning` the session requests that had a cell to return to (a
+    predecessor's, or a home) and `moved` those of them routed to another cell.
     """
 
-    cand: Int[Array, "R 2"]
+    cand: Int[Array, "R 5"]
     current: Int[Array, " nM"]
     home: Int[Array, " nM"]
-    server: Int[Array, " nM"]
+    server: Int[Array, "nM 2"]
     next_id: Int[Array, ""]
     inbox: Int[Array, "L C 2"]
-    tag: Int[Array, "n S C"]
-    used: Float[Array, "n S C"]
+    cache: Int[Array, "n S C 2"]
     stay: Bool[Array, "n n"]
     hits: Int[Array, ""]
     per_server: Int[Array, "n S"]
     returning: Int[Array, ""]
     moved: Int[Array, ""]
+
+
+NONE = 1 << 30
+"""The `cand` row index of "no next request in the chunk" (past every row)."""
 
 
 def session_lane(aff: Affinity, workload, lam_max, scale, cache_n, saving_unit) -> SessLane:
@@ -129,14 +135,13 @@ def init_sessions(aff: Affinity, n: int, servers: int, rows: int, ring: int, inb
     """The sessions' state at $t = 0$ (one session per slot, nothing cached)."""
     nm = n * aff.slots
     return SessState(
-        cand=jnp.full((rows, 2), -1, jnp.int32),
+        cand=jnp.broadcast_to(jnp.asarray([-1, 0, -1, NONE, 0], jnp.int32), (rows, 5)),
         current=jnp.arange(nm, dtype=jnp.int32),
         home=jnp.full((nm,), -1, jnp.int32),
-        server=jnp.full((nm,), -1, jnp.int32),
+        server=jnp.full((nm, 2), -1, jnp.int32),
         next_id=jnp.asarray(nm, jnp.int32),
         inbox=jnp.full((ring, inbox, 2), -1, jnp.int32),
-        tag=jnp.full((n, servers, aff.cache), -1, jnp.int32),
-        used=jnp.full((n, servers, aff.cache), -jnp.inf, dtype),
+        cache=jnp.full((n, servers, aff.cache, 2), -1, jnp.int32),
         stay=jnp.ones((n, n), bool),
         hits=jnp.zeros((), jnp.int32),
         per_server=jnp.zeros((n, servers), jnp.int32),
@@ -145,10 +150,13 @@ def init_sessions(aff: Affinity, n: int, servers: int, rows: int, ring: int, inb
     )
 
 
-def draw(sl: SessLane, key, roots, rows: int, pad: int):
-    """`(rows + pad, 2)` the session columns of a chunk's candidates of roots `roots`
-    `(rows,)` (their own key: the candidates' other draws are the same with or without
-    sessions); the `pad` rows past them are not session requests."""
+def draw(sl: SessLane, ss: SessState, key, roots, keep, rows: int, pad: int) -> SessState:
+    """The sessions of a chunk's candidates of roots `roots` `(rows,)` (`keep`: the real
+    requests among them, those thinning keeps before the chunk's end), drawn from their own
+    key (the candidates' other draws are the same with or without sessions): each one's
+    slot and whether it starts a new session, linked by `link`; the `pad` rows past them
+    are not session requests. Who belongs to which session depends on the draws alone, not
+    on the routing, so the whole chunk is linked at once."""
     dtype = sl.slot_cum.dtype
     u = jr.uniform(key, (rows, 3), dtype)
     n, M = sl.slot_cum.shape
@@ -157,43 +165,91 @@ def draw(sl: SessLane, key, roots, rows: int, pad: int):
     flat = (jnp.arange(n, dtype=dtype)[:, None] + sl.slot_cum).reshape(-1)
     pos = jnp.searchsorted(flat, roots.astype(dtype) + u[:, 1], side="right")
     slot = jnp.clip(pos - roots * M, 0, M - 1).astype(jnp.int32)
-    session = u[:, 0] < sl.fraction
+    is_s = keep & (u[:, 0] < sl.fraction)
     new = u[:, 2] < sl.renew[roots, slot]
-    cols = jnp.stack([jnp.where(session, slot, -1), new.astype(jnp.int32)], axis=-1)
-    return jnp.concatenate([cols, jnp.full((pad, 2), -1, jnp.int32)])
+    g = (roots * M + slot).astype(jnp.int32)
+    cols, ss = link(ss, g, new, is_s)
+    none = jnp.broadcast_to(jnp.asarray([-1, 0, -1, NONE, 0], jnp.int32), (pad, 5))
+    return dataclasses.replace(ss, cand=jnp.concatenate([cols, none]))
 
 
-def resolve(aff: Affinity, ss: SessState, win, i, routed, accept, in_window=None):
-    """The sessions of a tick's candidates `win` `(A, 2)` (roots `i`, cells `routed` by the
-    policy, `accept`: real requests): each one's cell under the affinity mode, its session
-    id (-1: none) and slot `(A, 2)`, and the state after them (slots' sessions and homes; the requests in
-    the statistics window, `in_window` `(A,)`, counted in `returning` and `moved`).
+def link(ss: SessState, g, new, is_s):
+    """`(cols, ss)`: the `cand` columns (`SessState`) of candidates in time order, of slots
+    `g`, starting a new session where `new`, session requests where `is_s`, and the state
+    after them (`current`, `next_id`). New sessions are numbered in time order from
+    `ss.next_id`; a request that does not start one continues its slot's latest session
+    before it. One stable sort by slot groups each slot's requests in time order (no
+    `(rows, rows)` comparison): a request's session is that of the latest start at or
+    before it in its group, or the slot's `current` id when there is none."""
+    R = g.shape[0]
+    nm = ss.current.shape[0]
+    key = jnp.where(is_s, g, nm)
+    order = jnp.argsort(key, stable=True)
+    p = jnp.arange(R)
+    gs = key[order]
+    starts = new & is_s
+    ns = starts[order]
+    step = gs[1:] != gs[:-1]
+    head = jnp.concatenate([jnp.ones((1,), bool), step])
+    tail = jnp.concatenate([step, jnp.ones((1,), bool)])
+    first = jax.lax.cummax(jnp.where(head, p, 0))
+    latest = jax.lax.cummax(jnp.where(ns, p, -1))
+    nid = ss.next_id + jnp.cumsum(starts.astype(jnp.int32)) - 1
+    sid = jnp.where(
+        latest >= first, nid[order[jnp.maximum(latest, 0)]], ss.current[jnp.minimum(gs, nm - 1)]
+    )
+    pred = jnp.where(ns | head, -1, jnp.roll(order, 1))
+    nxt = jnp.where(tail, NONE, jnp.roll(order, -1))
+    cols = (
+        jnp.zeros((R, 3), jnp.int32)
+        .at[order]
+        .set(jnp.stack([sid, pred, nxt], axis=-1).astype(jnp.int32))
+    )
+    cols = jnp.stack(
+        [
+            jnp.where(is_s, cols[:, 0], -1),
+            jnp.where(is_s, g, 0),
+            jnp.where(is_s, cols[:, 1], -1),
+            jnp.where(is_s, cols[:, 2], NONE),
+            starts.astype(jnp.int32),
+        ],
+        axis=-1,
+    )
+    out = jnp.where(starts, g, nm)  # (an index past the arrays: the write is dropped)
+    ss = dataclasses.replace(
+        ss,
+        current=ss.current.at[out].max(nid, mode="drop"),
+        next_id=(ss.next_id + jnp.sum(starts.astype(jnp.int32))).astype(jnp.int32),
+    )
+    return cols, ss
 
-    Candidates are in time order. A request's predecessor is the latest earlier one of its
-    session in the tick, or else the session's home; `sticky` follows the predecessor's
-    cell, `conditional` follows it where `ss.stay` says so, both route the first request
-    of a session as the policy does. A chain of requests of one session inside a tick is
-    followed to its end (a fixed point, at most `A` passes; in practice one or two)."""
+
+def resolve(aff: Affinity, ss: SessState, win, base, got, i, routed, accept, in_window=None):
+    """The sessions of a tick's candidates `win` `(A, 5)` (`cand`'s rows from `base`, the
+    first `got` of them the tick's; roots `i`, cells `routed` by the policy, `accept`: real
+    requests): each one's cell under the affinity mode, its session id (-1: none) and slot
+    `(A, 2)`, and the state after them (homes; the requests in the statistics window,
+    `in_window` `(A,)`, counted in `returning` and `moved`).
+
+    A request's predecessor is its session's previous request when that is in the tick,
+    or else the session's home (none for a request that starts a session); `sticky`
+    follows the predecessor's cell, `conditional` follows it where `ss.stay` says so,
+    both route the first request of a session as the policy does. A chain of requests of
+    one session inside a tick is followed to its end (a fixed point, at most `A` passes;
+    in practice one or two)."""
     A = win.shape[0]
-    M = aff.slots
-    idx = jnp.arange(A)
-    is_s = accept & (win[:, 0] >= 0)
-    g = i * M + jnp.maximum(win[:, 0], 0)
-    new = is_s & (win[:, 1] > 0)
-    nid = ss.next_id + jnp.cumsum(new.astype(jnp.int32)) - 1
-    same = (g[:, None] == g[None, :]) & is_s[:, None] & is_s[None, :]  # [a, b]
-    upto = idx[None, :] <= idx[:, None]
-    starts = same & upto & new[None, :]
-    last_new = jnp.max(jnp.where(starts, idx[None, :], -1), axis=-1)
-    fresh = last_new >= 0
-    sid = jnp.where(is_s, jnp.where(fresh, nid[jnp.maximum(last_new, 0)], ss.current[g]), -1)
-    chain = same & (idx[None, :] < idx[:, None]) & (idx[None, :] >= last_new[:, None])
-    pred = jnp.max(jnp.where(chain, idx[None, :], -1), axis=-1)
-    prior = jnp.where(fresh, -1, ss.home[g])
+    sid, g, pred, nxt, new = (win[:, c] for c in range(5))
+    is_s = accept & (sid >= 0)
+    inside = is_s & (pred >= base)
+    at = jnp.clip(pred - base, 0, A - 1)
+    prior = jnp.where(new > 0, -1, ss.home[g])
     routed = routed.astype(jnp.int32)
 
+    def previous(cell):
+        return jnp.where(inside, cell[at], prior)
+
     def decide(cell):
-        prev = jnp.where(pred >= 0, cell[jnp.maximum(pred, 0)], prior)
+        prev = previous(cell)
         keep = prev >= 0
         if aff.mode == "conditional":
             keep = keep & ss.stay[i, jnp.maximum(prev, 0)]
@@ -205,30 +261,23 @@ def resolve(aff: Affinity, ss: SessState, win, i, routed, accept, in_window=None
 
         def body(c):
             cell, _, n = c
-            nxt = decide(cell)
-            return nxt, jnp.any(nxt != cell), n + 1
+            nxt_ = decide(cell)
+            return nxt_, jnp.any(nxt_ != cell), n + 1
 
         cell = jax.lax.while_loop(
             lambda c: c[1] & (c[2] < A), body, (decide(routed), jnp.ones((), bool), 0)
         )[0]
-    prev = jnp.where(pred >= 0, cell[jnp.maximum(pred, 0)], prior)
+    prev = previous(cell)
     back = is_s & (prev >= 0) & (True if in_window is None else in_window)
-    later = jnp.any(same & (idx[None, :] > idx[:, None]), axis=-1)
-    last = is_s & ~later
-    out = ss.current.shape[0]  # (an index past the arrays: the write is dropped)
-    current = ss.current.at[jnp.where(new, g, out)].max(nid, mode="drop")
-    server = ss.server.at[jnp.where(new, g, out)].set(-1, mode="drop")
-    home = ss.home.at[jnp.where(last, g, out)].set(cell, mode="drop")
+    last = is_s & (nxt >= base + got)  # (the last of its slot in the tick)
+    out = ss.home.shape[0]
     ss = dataclasses.replace(
         ss,
-        current=current,
-        home=home,
-        server=server,
-        next_id=(ss.next_id + jnp.sum(new.astype(jnp.int32))).astype(jnp.int32),
+        home=ss.home.at[jnp.where(last, g, out)].set(cell, mode="drop"),
         returning=(ss.returning + jnp.sum(back.astype(jnp.int32))).astype(jnp.int32),
         moved=(ss.moved + jnp.sum((back & (cell != prev)).astype(jnp.int32))).astype(jnp.int32),
     )
-    return cell, jnp.stack([sid, g.astype(jnp.int32)], axis=-1), ss
+    return cell, jnp.stack([jnp.where(is_s, sid, -1), g], axis=-1), ss
 
 
 def stay_rule(saving, latency_model, workload, tau, allowed):
@@ -248,9 +297,10 @@ def stay_rule(saving, latency_model, workload, tau, allowed):
     return (cost - saving[None, :] < alt) | ~jnp.isfinite(alt)
 
 
-def holds(ss: SessState, j, s, sid):
-    """Whether server `s` of cell `j` holds session `sid`'s prefix (False for -1)."""
-    return jnp.any(ss.tag[j, s] == sid) & (sid >= 0)
+def holds(row, sid):
+    """Whether a server whose cache row is `row` `(C, 2)` holds session `sid`'s prefix
+    (False for -1)."""
+    return jnp.any(row[:, 0] == sid) & (sid >= 0)
 
 
 def last_server(ss: SessState, j, req):
@@ -258,48 +308,48 @@ def last_server(ss: SessState, j, req):
     was last admitted, and whether it is there and still holds its prefix (the servers'
     session -> server map: one cache row read, not the cell's)."""
     sid, g = req[0], req[1]
-    S = ss.tag.shape[1]
-    w = ss.server[g]
-    mine = (sid >= 0) & (ss.current[g] == sid) & (w >= 0) & (w // S == j)
+    S = ss.cache.shape[1]
+    w, owner = ss.server[g, 0], ss.server[g, 1]
+    mine = (sid >= 0) & (owner == sid) & (w >= 0) & (w // S == j)
     s = jnp.where(mine, w % S, 0)
-    return s, mine & holds(ss, j, s, sid)
+    return s, mine & holds(ss.cache[j, s], sid)
 
 
-def admit(sl: SessLane, ss: SessState, j, s, req, hit, t, do, in_window) -> SessState:
+def admit(sl: SessLane, ss: SessState, j, s, req, hit, row, stamp, do, in_window) -> SessState:
     """A request of session `req` = (id, slot) admitted (if `do`) to server `s` of cell `j`
-    at `t`: its prefix enters (or is refreshed in) the server's cache, evicting the least
-    recently used, and the slot's session is mapped to the server; the window's counts."""
+    as the lane's admission `stamp`, `row` `(C, 2)` that server's cache row before it: its
+    prefix enters (or is refreshed in) the cache, evicting the least recently used, and the
+    slot's session is mapped to the server; the window's counts."""
     sid, g = req[0], req[1]
-    C = ss.tag.shape[-1]
-    tags, used = ss.tag[j, s], ss.used[j, s]
+    C = row.shape[0]
+    S = ss.cache.shape[1]
     room = jnp.arange(C) < sl.cache_n[j]
-    match = jnp.argmax(tags == sid)
-    lru = jnp.argmin(jnp.where(room, used, jnp.inf))
+    match = jnp.argmax(row[:, 0] == sid)
+    lru = jnp.argmin(jnp.where(room, row[:, 1], jnp.iinfo(jnp.int32).max))
     e = jnp.where(hit, match, lru)
     put = do & (sid >= 0) & (sl.cache_n[j] > 0)
-    S = ss.tag.shape[1]
-    row = jnp.where(put, s, S)
     count = (do & in_window).astype(jnp.int32)
-    mapped = do & (sid >= 0) & (ss.current[g] == sid)
+    # (a slot's later session takes the entry; sessions are numbered in time order)
+    mapped = do & (sid >= 0) & (sid >= ss.server[g, 1])
+    entry = jnp.stack([j * S + s, sid]).astype(jnp.int32)
     return dataclasses.replace(
         ss,
-        server=ss.server.at[jnp.where(mapped, g, ss.server.shape[0])].set(
-            (j * S + s).astype(jnp.int32), mode="drop"
+        server=ss.server.at[jnp.where(mapped, g, ss.server.shape[0])].set(entry, mode="drop"),
+        cache=ss.cache.at[j, jnp.where(put, s, S), e].set(
+            jnp.stack([sid, stamp]).astype(jnp.int32), mode="drop"
         ),
-        tag=ss.tag.at[j, row, e].set(sid, mode="drop"),
-        used=ss.used.at[j, row, e].set(t, mode="drop"),
         hits=ss.hits + (count * hit).astype(jnp.int32),
         per_server=ss.per_server.at[j, s].add(count),
     )
 
 
-def report(ss: SessState) -> dict:
+def report(ss: SessState, dtype) -> dict:
     """`cache_hit_rate` (hits over the requests admitted in the window),
     `busiest_server_share` (the largest share of them that one server admitted) and
     `session_move_rate` (the session requests in the window that had a cell to return to
-    and were routed to another one, over those that had one); 0 where there is none."""
+    and were routed to another one, over those that had one), as `dtype`; 0 where there is
+    none."""
     total = jnp.sum(ss.per_server)
-    dtype = ss.used.dtype
     denom = jnp.maximum(total, 1).astype(dtype)
     return dict(
         cache_hit_rate=ss.hits.astype(dtype) / denom,

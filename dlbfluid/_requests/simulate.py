@@ -215,7 +215,7 @@ def _outputs(st, counts, received, window: float, utilisation, horizon=None) -> 
     if getattr(st, "est", None) is not None:
         extra["estimation"] = est_.report(st.est, horizon)
     if getattr(st, "sess", None) is not None:
-        extra.update(sess_.report(st.sess))
+        extra.update(sess_.report(st.sess, s.latency_sum.dtype))
     return dict(
         **extra,
         count=counts,
