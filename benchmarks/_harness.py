@@ -7,7 +7,8 @@ the `--out` record.
   the compile seconds inside it (`compile_s`: the union of the `/jax/core/compile/*` time
   spans that `jax.monitoring` reports during the call, robust to run-time noise; also
   `first_minus_best_s`), every steady wall and CPU time (the best wall is `wall_s`), and
-  whether a steady call compiled again (`recompiled`). `measure(fn)` is one such call,
+  whether a steady call compiled again (`recompiled`). `timed_rounds(fns, repeats)` times
+  several functions in interleaved rounds, for ratios between them. `measure(fn)` is one such call,
   `compile_clock()` the compile seconds spent since it was started.
 * **Memory.** `memory()`: the process's peak RSS and, where the backend reports them, the
   device's peak and current bytes.
@@ -186,6 +187,33 @@ def timed(
         cpus,
         recompiled,
     )
+
+
+def timed_rounds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Timing]:
+    """`timed` for several functions whose times are compared: a warm-up call of each,
+    then `repeats` rounds that call every function once in turn, so that a slow phase of
+    the machine falls on every function alike rather than on the one timed then. Each
+    `Timing`'s `result` is its function's last call's."""
+    if repeats < 1:
+        raise ValueError(f"repeats = {repeats} is invalid: expected an integer >= 1")
+    first = {name: measure(fn) for name, fn in fns.items()}
+    results = {name: c.result for name, c in first.items()}
+    walls: dict[str, list[float]] = {name: [] for name in fns}
+    cpus: dict[str, list[float]] = {name: [] for name in fns}
+    recompiled = dict.fromkeys(fns, False)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            results[name] = None  # (one result of each alive at a time)
+            c = measure(fn)
+            walls[name].append(c.wall_s)
+            cpus[name].append(c.cpu_s)
+            recompiled[name] |= c.compile_s > 0.05
+            results[name] = c.result
+    return {
+        name: Timing(results[name], first[name].wall_s, first[name].compile_s, walls[name],
+                     cpus[name], recompiled[name])  # fmt: skip
+        for name in fns
+    }
 
 
 # ----------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ shrinkage toward the prior worth 64 samples, dithering 0.1), and sessions with e
 affinity mode (the `affinity` experiment's `AFFINITY_SESSIONS` on every scenario: prefix
 caches of 64 sessions per server; `off`, `sticky`, `conditional`). Reports per variant the
 wall seconds (best steady call), compile seconds, admissions, the mean latency pooled over
-the lanes (what the option changes), and the ratio of its wall time to plain's.
+the lanes (what the option changes), and the ratio of its wall time to plain's. The steady
+calls are timed in interleaved rounds (every variant once per round, `--repeats` rounds),
+so that a slow phase of the machine weighs on every variant alike.
 
     python benchmarks/twin_options_cost.py --out benchmarks/results/twin_options_cost_cpu.json
 """
@@ -61,7 +63,7 @@ def _slowed(batch, horizon: float):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], parents=[H.parent_parser(repeats=2)]
+        description=__doc__.splitlines()[0], parents=[H.parent_parser(repeats=3)]
     )
     ap.add_argument("--scenarios", type=int, default=10)
     ap.add_argument("--trials", type=int, default=5)
@@ -102,13 +104,17 @@ def main(argv=None):
                                          "estimation": MITIGATED, "affinity": "conditional"}),
     ]  # fmt: skip
     out, rows = {}, []
+
+    def run(batch, opts):
+        return simulate_requests(batch, args.policy, **opts, **kw)
+
+    timings = H.timed_rounds(
+        {name: (lambda b=batch, o=opts: run(b, o).served) for name, batch, opts in variants},
+        args.repeats,
+    )
     for name, batch, opts in variants:
-
-        def run(batch=batch, opts=opts):
-            return simulate_requests(batch, args.policy, **opts, **kw)
-
-        t = H.timed(lambda: run().served, args.repeats)
-        sol = run()
+        t = timings[name]
+        sol = run(batch, opts)
         lat = np.asarray(sol.mean_latency())
         leaf = opts.get("leaf", JoinShortestQueue())
         out[name] = {
