@@ -148,3 +148,33 @@ The simulate programs most tests share (per policy, dtype and integrator): THREE
 (`n_save` is compiled in buckets: 40 is the tests' choice) and delays below 3 ticks (four
 ring slots: THREE at a tick of 0.05 or 0.1). The step size, tick and horizon are values,
 not shapes (the horizon is static only for MNLB's schedule)."""
+
+
+def stub_simulate_requests(monkeypatch, ex, runs: int = 1, **fields) -> dict:
+    """Replace the experiment module `ex`'s `simulate_requests` by a stand-in for `runs`
+    runs of one trial each (mean latency 1, p90 2, no errors, `success`); `fields` set its
+    other attributes (`estimation`, `cell_mask` and the session fields, None unless
+    given). Returns the dict its keyword arguments are recorded in."""
+    seen: dict = {}
+    shape = (runs, 1)
+    attrs = dict(
+        served=np.ones(shape),
+        latency_sum=np.ones(shape),
+        percentile=staticmethod(lambda q: np.full(shape, 2.0)),
+        error_rate=staticmethod(lambda: np.zeros(shape)),
+        status_names=staticmethod(lambda: np.full(shape, "success")),
+        estimation=None,
+        cell_mask=None,
+        cache_hit_rate=None,
+        busiest_server_share=None,
+        session_move_rate=None,
+    )
+    attrs.update(fields)
+    stub_solution = type("StubSolution", (), attrs)
+
+    def stub(batch, policy, **kw):
+        seen.update(kw)
+        return stub_solution()
+
+    monkeypatch.setattr(ex, "simulate_requests", stub)
+    return seen

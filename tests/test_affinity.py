@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import stub_simulate_requests
 
 import dlbfluid as dl
 from dlbfluid._cli import main
@@ -106,7 +107,7 @@ def test_slots_and_renewals_follow_their_formulas():
     lam = jnp.asarray([2.0])
     sl = S.session_lane(aff, wl, lam, jnp.asarray(1.0), jnp.asarray([4]), jnp.asarray([0.1]))
     rows = 200_000
-    st = S.init_sessions(aff, 1, 1, rows + 3, 4, 4, jnp.float64)
+    st = S.init_sessions(aff, 1, 1, rows + 3)
     roots, keep = jnp.zeros(rows, jnp.int32), jnp.ones(rows, bool)
     cols = np.asarray(S.draw(sl, st, jax.random.PRNGKey(0), roots, keep, rows, 3).cand)
     assert np.all(cols[rows:, 0] == -1)
@@ -123,7 +124,7 @@ def test_slots_and_renewals_follow_their_formulas():
 
 
 def _state(n=2, M=4):
-    st = S.init_sessions(S.Affinity("sticky", M, 2), n, 1, 8, 4, 4, jnp.float64)
+    st = S.init_sessions(S.Affinity("sticky", M, 2), n, 1, 8)
     home = np.full(n * M, -1)
     home[0] = 1  # slot 0 of root 0: session 0 was last routed to cell 1
     return dataclasses.replace(st, home=jnp.asarray(home, jnp.int32))
@@ -192,7 +193,7 @@ def test_link_agrees_with_a_loop():
     R, nm = 300, 6
     g = rng.integers(0, nm, R)
     new, is_s = rng.random(R) < 0.2, rng.random(R) < 0.7
-    st = S.init_sessions(S.Affinity("sticky", 3, 2), 2, 1, R, 4, 4, jnp.float64)
+    st = S.init_sessions(S.Affinity("sticky", 3, 2), 2, 1, R)
     cols, s1 = S.link(st, jnp.asarray(g, jnp.int32), jnp.asarray(new), jnp.asarray(is_s))
     sid, pred, nxt, cur, nid = _link_by_loop(range(nm), nm, g, new, is_s)
     cols = np.asarray(cols)
@@ -365,24 +366,14 @@ def test_affinity_experiment_variants_batch_rows_and_summary(monkeypatch):
     np.testing.assert_allclose(w.session_skew, AFFINITY_SESSIONS["skew"])
     assert np.all(np.asarray(batch.servers.cache_sessions)[np.asarray(batch.servers.mask)] == 64)
 
-    seen: dict = {}
-
-    class Stub:
-        served = np.ones((2, 1))
-        latency_sum = np.ones((2, 1))
-        percentile = staticmethod(lambda q: np.full((2, 1), 2.0))
-        error_rate = staticmethod(lambda: np.zeros((2, 1)))
-        status_names = staticmethod(lambda: np.array([["success"], ["success"]]))
-        estimation = None
-        cache_hit_rate = np.array([[0.4], [0.3]])
-        busiest_server_share = np.array([[0.05], [0.1]])
-        session_move_rate = np.array([[0.2], [0.0]])
-
-    def stub(b, policy, **kw):
-        seen.update(kw)
-        return Stub()
-
-    monkeypatch.setattr(ex, "simulate_requests", stub)
+    seen = stub_simulate_requests(
+        monkeypatch,
+        ex,
+        runs=2,
+        cache_hit_rate=np.array([[0.4], [0.3]]),
+        busiest_server_share=np.array([[0.05], [0.1]]),
+        session_move_rate=np.array([[0.2], [0.0]]),
+    )
     *_, est = ex._simulate_requests_unit(cfg, batch, dl.policy_from_name("rand"), 1.0, None,
                                          0.005, opts)  # fmt: skip
     assert seen["affinity"] == "sticky"

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import stub_simulate_requests
 
 from dlbfluid._cli import main
 
@@ -366,31 +367,6 @@ def test_simulate_requests_passes_progress_as_the_fluid_run_does(files, monkeypa
     assert seen == [True, False, False]
 
 
-def _stub_simulate_requests(monkeypatch, ex, estimation=None, cell_mask=None) -> dict:
-    """Replace the experiment's `simulate_requests` by a stand-in for one run (mean latency
-    1, p90 2, no errors, `success`, the given `estimation` report and `cell_mask`); returns
-    the dict its keyword arguments are recorded in."""
-    seen: dict = {}
-
-    class Stub:
-        served = np.ones((1, 1))
-        latency_sum = np.ones((1, 1))
-        percentile = staticmethod(lambda q: np.full((1, 1), 2.0))
-        error_rate = staticmethod(lambda: np.zeros((1, 1)))
-        status_names = staticmethod(lambda: np.array([["success"]]))
-
-    Stub.estimation = estimation
-    Stub.cell_mask = cell_mask
-    Stub.cache_hit_rate = Stub.busiest_server_share = Stub.session_move_rate = None
-
-    def stub(batch, policy, **kw):
-        seen.update(kw)
-        return Stub()
-
-    monkeypatch.setattr(ex, "simulate_requests", stub)
-    return seen
-
-
 def test_experiment_passes_the_twins_options_and_fingerprints_them(monkeypatch):
     """`--scale`, `--probe-smoothing`, `--leaf`/`--pod-d` reach `simulate_requests` (a
     stub records its arguments) and the directory's fingerprint, where they differ from
@@ -412,7 +388,7 @@ def test_experiment_passes_the_twins_options_and_fingerprints_them(monkeypatch):
     plain = ex.ExperimentConfig("baseline", model="requests").to_json()
     assert not {"scale", "probe_smoothing", "leaf", "pod_d"} & set(plain)
 
-    seen = _stub_simulate_requests(monkeypatch, ex)
+    seen = stub_simulate_requests(monkeypatch, ex)
     lat, p90, err, status, est = ex._simulate_requests_unit(cfg, None, "rand", None, None, 0.005)
     assert (lat[0], p90[0], status[0], est) == (1.0, 2.0, "success", {})
     assert seen["scale"] == 4 and seen["probe_smoothing"] == 0.2
@@ -455,7 +431,9 @@ def test_experiment_passes_online_estimation_and_fingerprints_it(monkeypatch):
         age = np.array([[[0.0, 60.0, 5.0]]])
         samples = np.array([[[100, 0, 7]]])
 
-    seen = _stub_simulate_requests(monkeypatch, ex, Report(), np.array([[True, True, False]]))
+    seen = stub_simulate_requests(
+        monkeypatch, ex, estimation=Report(), cell_mask=np.array([[True, True, False]])
+    )
     *_, est = ex._simulate_requests_unit(cfg, None, "rand", None, None, 0.005)
     assert seen["estimation"] == ex.online_estimation(cfg)
     # (the padded third cell is left out: the oldest real model is 60 s, one of them stale)

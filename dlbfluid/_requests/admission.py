@@ -153,7 +153,8 @@ class FifoState(eqx.Module):
     changes by tick and probe segment; `far` `(n, F)` completions beyond the calendar, a
     stack per cell of `far_n` `(n,)` entries ($+\\infty$ past them).
     **Network:** `inbox` `(L, C, 2)` delivery times and origins of the requests that
-    reach the lane's cells in each tick of the ring, `inbox_j` `(L, C)` their cells,
+    reach the lane's cells in each tick of the ring, `inbox_j` `(L, C, E)` their cells
+    (with sessions also their session ids, -1 for none, and slots: `E` = 3, else 1),
     `inbox_n` `(L,)` their number.
     **Routers:** `x`, `xc` (cumulative rows), `policy_state`, `obs_ring` as in the
     fluid simulator; `tick_arrivals`, `tick_drops` `(n,)` the tick's deliveries and
@@ -179,7 +180,7 @@ class FifoState(eqx.Module):
     far: Float[Array, "n F"]
     far_n: Int[Array, " n"]
     inbox: Float[Array, "L C 2"]
-    inbox_j: Int[Array, "L C"]
+    inbox_j: Int[Array, "L C E"]
     inbox_n: Int[Array, " L"]
     x: Float[Array, "n n"]
     xc: Float[Array, "n n"]
@@ -252,7 +253,7 @@ def init_lane(ln: Lane, key) -> FifoState:
         far=jnp.full((n, z.far), jnp.inf, dtype),
         far_n=zi,
         inbox=jnp.full((z.ring, z.inbox, 2), jnp.inf, dtype),
-        inbox_j=jnp.zeros((z.ring, z.inbox), jnp.int32),
+        inbox_j=jnp.zeros((z.ring, z.inbox, 1 if ln.affinity is None else 3), jnp.int32),
         inbox_n=jnp.zeros((z.ring,), jnp.int32),
         x=x0,
         xc=_cum_routing(scn, x0),
@@ -270,9 +271,7 @@ def init_lane(ln: Lane, key) -> FifoState:
         else est_.init_est(ln.estimation, ln.est, jr.fold_in(key, 7), dtype),
         sess=None
         if ln.affinity is None
-        else sess_.init_sessions(
-            ln.affinity, n, z.servers, z.rows + z.candidates, z.ring, z.inbox, dtype
-        ),
+        else sess_.init_sessions(ln.affinity, n, z.servers, z.rows + z.candidates),
     )
     return redraw(ln, st, jnp.zeros((), jnp.int32))
 
@@ -576,10 +575,9 @@ def start_tick(ln: Lane, st: FifoState, k) -> FifoState:
     put = accept & ~arc_full
     rows = jnp.where(put, slot, z.ring)
     inbox = st.inbox.at[rows, pos].set(jnp.stack([time + tau, time - tau], -1), mode="drop")
-    inbox_j = st.inbox_j.at[rows, pos].set(j.astype(jnp.int32), mode="drop")
+    to = j.astype(jnp.int32)[:, None] if sess is None else jnp.concatenate([j[:, None], req], -1)
+    inbox_j = st.inbox_j.at[rows, pos].set(to.astype(jnp.int32), mode="drop")
     inbox_n = st.inbox_n.at[rows].add(1, mode="drop")
-    if sess is not None:
-        sess = dataclasses.replace(sess, inbox=sess.inbox.at[rows, pos].set(req, mode="drop"))
     s_ = st.stats
     in_win = time >= ln.warmup
     cells_ = jnp.arange(n)[None, :]
@@ -622,8 +620,8 @@ def admit_next(ln: Lane, st: FifoState, todo, k):
     t = todo[a]
     ok = jnp.isfinite(t)
     slot = k % z.ring
-    j, origin = st.inbox_j[slot, a], st.inbox[slot, a, 1]
-    sid = None if st.sess is None else st.sess.inbox[slot, a]
+    to, origin = st.inbox_j[slot, a], st.inbox[slot, a, 1]
+    j, sid = to[0], None if st.sess is None else to[1:]
     st = admit(ln, st, k, j, jnp.where(ok, t, 0.0), origin, ok, jnp.zeros((), bool), sid)
     return st, todo.at[a].set(jnp.inf)
 

@@ -36,6 +36,7 @@ import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int
 
 from .._defaults import AFFINITY_MODES
+from .._scenario.parse import CACHE_SESSIONS
 
 
 class Affinity(eqx.Module):
@@ -72,7 +73,8 @@ class SessLane(eqx.Module):
 
 
 class SessState(eqx.Module):
-    """The sessions' state of one lane.
+    """The sessions' state of one lane (a delivery's session id and slot travel with it
+    in `admission.FifoState.inbox_j`).
 
     **Fields:** `cand` `(rows + A, 5)` per arrival candidate of the chunk (`link`): its
     session id (-1: not a session request), its slot $g = iM + u$, the row of its
@@ -82,12 +84,12 @@ class SessState(eqx.Module):
     chunk's end); `home` `(n M,)` the cell of each slot's session (-1: none yet);
     `server` `(n M, 2)` the servers' session -> server map, one entry per slot: where a
     session of the slot was last admitted (cell x S + server) and that session's id (-1:
-    none); `next_id`; `inbox` `(L, C_in, 2)` the session id of each delivery (-1: none)
-    and its slot; `cache` `(n, S, C, 2)` the sessions whose prefixes each server holds
-    (-1: empty) and their last use (the lane's admission count then, -1: never); `stay` `(n, n)` the conditional rule of the tick
-    (`stay_rule`); over the statistics window: `hits`, `per_server` `(n, S)` the requests
-    each server admitted, `returning` the session requests that had a cell to return to (a
-    predecessor's, or a home) and `moved` those of them routed to another cell.
+    none); `next_id`; `cache` `(n, S, C, 2)` the sessions whose prefixes each server holds
+    (-1: empty) and their last use (the lane's admission count then, -1: never); `stay`
+    `(n, n)` the conditional rule of the tick (`stay_rule`); over the statistics window:
+    `hits`, `per_server` `(n, S)` the requests each server admitted, `returning` the
+    session requests that had a cell to return to (a predecessor's, or a home) and `moved`
+    those of them routed to another cell.
     """
 
     cand: Int[Array, "R 5"]
@@ -95,7 +97,6 @@ class SessState(eqx.Module):
     home: Int[Array, " nM"]
     server: Int[Array, "nM 2"]
     next_id: Int[Array, ""]
-    inbox: Int[Array, "L C 2"]
     cache: Int[Array, "n S C 2"]
     stay: Bool[Array, "n n"]
     hits: Int[Array, ""]
@@ -108,13 +109,27 @@ NONE = 1 << 30
 """The `cand` row index of "no next request in the chunk" (past every row)."""
 
 
+def slot_demand(xp, scale, fraction, lam_max, think_time):
+    """$kf\\bar\\lambda_iT_{th}$ rounded up: the sessions active at once at a root
+    (`xp`: numpy when a run is sized, `jax.numpy` in a lane; broadcast operands)."""
+    return xp.ceil(scale * fraction * lam_max * think_time)
+
+
+def cache_entries(xp, servers, shape):
+    """`shape` each cell's prefix-cache entries per server: its `servers.cache_sessions`,
+    or `CACHE_SESSIONS` for a cell without a `servers` object."""
+    if servers is None:
+        return xp.full(shape, CACHE_SESSIONS)
+    return xp.where(xp.asarray(servers.mask), xp.asarray(servers.cache_sessions), CACHE_SESSIONS)
+
+
 def session_lane(aff: Affinity, workload, lam_max, scale, cache_n, saving_unit) -> SessLane:
     """A scenario's `SessLane` at scale $k$ (`lam_max` `(n,)` the profiles' peak rates;
     `saving_unit` `(n,)` each cell's mean prefill time, $\\sigma_j/r$)."""
     w = workload
     dtype = lam_max.dtype
     f, L, T, s = w.session_fraction, w.session_length, w.think_time, w.session_skew
-    m_i = jnp.clip(jnp.ceil(scale * f * lam_max * T), 1, aff.slots).astype(jnp.int32)
+    m_i = jnp.clip(slot_demand(jnp, scale, f, lam_max, T), 1, aff.slots).astype(jnp.int32)
     u = jnp.arange(aff.slots)
     on = u[None, :] < m_i[:, None]
     wt = jnp.where(on, (u[None, :] + 1.0).astype(dtype) ** (-s), 0.0)
@@ -131,7 +146,7 @@ def session_lane(aff: Affinity, workload, lam_max, scale, cache_n, saving_unit) 
     )
 
 
-def init_sessions(aff: Affinity, n: int, servers: int, rows: int, ring: int, inbox: int, dtype):
+def init_sessions(aff: Affinity, n: int, servers: int, rows: int):
     """The sessions' state at $t = 0$ (one session per slot, nothing cached)."""
     nm = n * aff.slots
     return SessState(
@@ -140,7 +155,6 @@ def init_sessions(aff: Affinity, n: int, servers: int, rows: int, ring: int, inb
         home=jnp.full((nm,), -1, jnp.int32),
         server=jnp.full((nm, 2), -1, jnp.int32),
         next_id=jnp.asarray(nm, jnp.int32),
-        inbox=jnp.full((ring, inbox, 2), -1, jnp.int32),
         cache=jnp.full((n, servers, aff.cache, 2), -1, jnp.int32),
         stay=jnp.ones((n, n), bool),
         hits=jnp.zeros((), jnp.int32),

@@ -20,7 +20,6 @@ from .._results import RESULTS, view
 from .._runtime.devices import accepted_options, per_device
 from .._runtime.progress import Progress
 from .._scenario import Scenario
-from .._scenario.parse import CACHE_SESSIONS
 from .._service.base import code as law_code
 from .._simulate import _hist_len, _setup
 from .._validate import integer, number, period_ticks
@@ -197,11 +196,10 @@ def _session_lane(scn, scale, shared: dict, aff: sess_.Affinity) -> sess_.SessLa
     w, sv = scn.workload, scn.servers
     rate = scn.service.capacity / scn.replicas
     unit = 1.0 / rate
-    cache = jnp.full(rate.shape, CACHE_SESSIONS, jnp.int32)
+    cache = sess_.cache_entries(jnp, sv, rate.shape).astype(jnp.int32)
     if sv is not None:
         prompt = w.prompt_shift + w.prompt_shape * w.prompt_scale
         unit = jnp.where(sv.mask, sv.prefill_token_time * prompt, unit)
-        cache = jnp.where(sv.mask, sv.cache_sessions, cache)
     return sess_.session_lane(aff, w, shared["lam_max"], scale, cache, unit)
 
 
@@ -480,7 +478,9 @@ def _affinity_option(affinity, scn, service: str, k_b) -> sess_.Affinity | None:
             "caches and affinity live in the FIFO servers' admission engine)",
         )
     lam = np.where(np.asarray(scn.cell_mask), np.asarray(scn.arrival_rates).max(-1), 0.0)
-    slots = np.ceil(k_b[:, None] * (frac * np.asarray(w.think_time))[:, None] * lam)
+    slots = sess_.slot_demand(
+        np, k_b[:, None], frac[:, None], lam, np.asarray(w.think_time)[:, None]
+    )
     M = int(max(1.0, float(slots.max())))
     if M > SESSION_SLOTS_MAX:
         raise _bad(
@@ -489,10 +489,7 @@ def _affinity_option(affinity, scn, service: str, k_b) -> sess_.Affinity | None:
             f"at most {SESSION_SLOTS_MAX:,} (scale x fraction x peak rate x think_time): "
             "shorten think_time",
         )
-    sv = scn.servers
-    per = np.full(lam.shape, CACHE_SESSIONS)
-    if sv is not None:  # (as `_session_lane`: a cell without servers caches the default)
-        per = np.where(np.asarray(sv.mask), np.asarray(sv.cache_sessions), per)
+    per = sess_.cache_entries(np, scn.servers, lam.shape)
     C = int(max(1, per[np.asarray(scn.cell_mask)].max()))
     return sess_.Affinity(str(affinity), _pow2(M), C)
 
