@@ -421,7 +421,8 @@ def admit(ln: Lane, st: FifoState, k, j, t, origin, ok, initial, sid=None) -> Fi
     if sess is not None:
         assert ln.sess is not None and sid is not None
         in_win = (t >= w0) & (t < T) & ~initial
-        sess = sess_.admit(ln.sess, sess, j, s, sid, p.hit, p.crow, st.events, do, in_win)
+        assert p.seat is not None
+        sess = sess_.admit(ln.sess, sess, j, sid, p.seat, st.events, do, in_win)
     return dataclasses.replace(
         st,
         est=est,
@@ -447,8 +448,8 @@ class _Placement(eqx.Module):
     `per` `(S,)` requests per server and `total`, `valid` the running servers, the chosen
     `server` (`pick` one-hot), its row after the admission `new_row`, the completion `c`,
     the prefill's start `p0` and end `pf`, the decode's start `vstart` (in seconds), the
-    decode work `dw`, whether the server held the request's session prefix `hit` and its
-    cache row `crow` (None without sessions)."""
+    decode work `dw`, whether the server held the request's session prefix `hit` and, with
+    sessions, the `sessions.Seat` it was given (else None)."""
 
     per: Array
     total: Array
@@ -462,7 +463,7 @@ class _Placement(eqx.Module):
     vstart: Array
     dw: Array
     hit: Array
-    crow: Array | None
+    seat: sess_.Seat | None
 
 
 def _place(ln: Lane, st: FifoState, j, t, tok, initial, sid=None) -> _Placement:
@@ -490,15 +491,12 @@ def _place(ln: Lane, st: FifoState, j, t, tok, initial, sid=None) -> _Placement:
         # (in the clock's units, the tokens still to process are the work still to do)
         tokens = cells.tokens_waiting(j, st.srv[j, :, : 1 + D], now, D)
         s = jnp.where(initial, s, ln.leaf.choose(tok[3:], per, tokens, valid))
-    hit, crow = jnp.zeros((), bool), None
+    hit, seat = jnp.zeros((), bool), None
     if st.sess is not None and sid is not None:
         assert ln.affinity is not None and ln.sess is not None
-        if ln.affinity.mode != "off":
-            last, found = sess_.last_server(st.sess, j, sid)
-            room = found & valid[last] & (per[last] < ln.sizes.queue) & ~initial
-            s = jnp.where(room, last, s)
-        crow = st.sess.cache[j, s]
-        hit = sess_.holds(crow, sid[0])
+        free = valid & (per < ln.sizes.queue) & ~initial
+        seat = sess_.seat(ln.affinity, st.sess, j, s, sid, free)
+        s, hit = seat.server, seat.hit
     pick = jnp.arange(S) == s
     row = st.srv[j, s]  # (the chosen server's row alone: a one-hot sum reads the block)
     pw, dw = cells.work(j, tok)
@@ -509,7 +507,7 @@ def _place(ln: Lane, st: FifoState, j, t, tok, initial, sid=None) -> _Placement:
         p0 = pf - pw  # (the prefill's start)
     else:  # (back to seconds: the completion, the prefill's start and end, the decode's start)
         c, p0, pf, vstart = clock.inverse(jnp.stack([c, jnp.maximum(now, row[0]), pf, vstart]))
-    return _Placement(per, total, valid, s, pick, new_row, c, p0, pf, vstart, dw, hit, crow)
+    return _Placement(per, total, valid, s, pick, new_row, c, p0, pf, vstart, dw, hit, seat)
 
 
 def probe_cells(ln: Lane, st: FifoState, t) -> FifoState:

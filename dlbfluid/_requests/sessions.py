@@ -317,43 +317,70 @@ def holds(row, sid):
     return jnp.any(row[:, 0] == sid) & (sid >= 0)
 
 
-def last_server(ss: SessState, j, req):
-    """`(server, found)`: the server of cell `j` where the session of `req` = (id, slot)
-    was last admitted, and whether it is there and still holds its prefix (the servers'
-    session -> server map: one cache row read, not the cell's)."""
+class Seat(eqx.Module):
+    """Where a session request is admitted (`seat`): the `server`, whether it holds the
+    session's prefix (`hit`), its cache row `row` `(C, 2)` and the id in the request's
+    slot's entry of the session -> server map (`owner`)."""
+
+    server: Array
+    hit: Array
+    row: Array
+    owner: Array
+
+
+def seat(aff: Affinity, ss: SessState, j, chosen, req, free) -> Seat:
+    """The server of cell `j` for a request of session `req` = (id, slot) that the leaf
+    rule would send to `chosen`: under `sticky` and `conditional` the server where the
+    session was last admitted (the servers' session -> server map, one entry per slot:
+    the server and the id of the session it was written for) if it still holds the prefix
+    and is `free` `(S,)` (running, with room), else `chosen`. The two candidates' cache
+    rows are read together, so an admission reads the map once and the caches once."""
     sid, g = req[0], req[1]
     S = ss.cache.shape[1]
-    w, owner = ss.server[g, 0], ss.server[g, 1]
+    entry = ss.server[g]
+    w, owner = entry[0], entry[1]
+    if aff.mode == "off":
+        row = ss.cache[j, chosen]
+        return Seat(chosen, holds(row, sid), row, owner)
     mine = (sid >= 0) & (owner == sid) & (w >= 0) & (w // S == j)
-    s = jnp.where(mine, w % S, 0)
-    return s, mine & holds(ss.cache[j, s], sid)
+    last = jnp.where(mine, w % S, 0)
+    rows = ss.cache[j, jnp.stack([last, chosen])]  # (2, C, 2)
+    has = jnp.any(rows[:, :, 0] == sid, axis=-1) & (sid >= 0)
+    back = mine & has[0] & jnp.any((jnp.arange(S) == last) & free)
+    return Seat(
+        jnp.where(back, last, chosen), back | has[1], jnp.where(back, rows[0], rows[1]), owner
+    )
 
 
-def admit(sl: SessLane, ss: SessState, j, s, req, hit, row, stamp, do, in_window) -> SessState:
-    """A request of session `req` = (id, slot) admitted (if `do`) to server `s` of cell `j`
-    as the lane's admission `stamp`, `row` `(C, 2)` that server's cache row before it: its
-    prefix enters (or is refreshed in) the cache, evicting the least recently used, and the
-    slot's session is mapped to the server; the window's counts."""
+def admit(sl: SessLane, ss: SessState, j, req, place: Seat, stamp, do, in_window) -> SessState:
+    """A request of session `req` = (id, slot) admitted (if `do`) at `place` in cell `j` as
+    the lane's admission `stamp`: its prefix enters (or is refreshed in) the server's cache,
+    evicting the least recently used, and the slot's entry of the session -> server map
+    points to the server; the window's counts."""
     sid, g = req[0], req[1]
+    s, row = place.server, place.row
     C = row.shape[0]
     S = ss.cache.shape[1]
-    room = jnp.arange(C) < sl.cache_n[j]
-    match = jnp.argmax(row[:, 0] == sid)
-    lru = jnp.argmin(jnp.where(room, row[:, 1], jnp.iinfo(jnp.int32).max))
-    e = jnp.where(hit, match, lru)
-    put = do & (sid >= 0) & (sl.cache_n[j] > 0)
+    cap = sl.cache_n[j]
+    # One pass: the session's own entry on a hit (key -2), else the least recently used of
+    # the first `cap` entries (an empty one has stamp -1; those past `cap` are never used).
+    own = place.hit & (row[:, 0] == sid)
+    key = jnp.where(own, -2, jnp.where(jnp.arange(C) < cap, row[:, 1], jnp.iinfo(jnp.int32).max))
+    e = jnp.argmin(key)
+    put = do & (sid >= 0) & (cap > 0)
     count = (do & in_window).astype(jnp.int32)
     # (a slot's later session takes the entry; sessions are numbered in time order)
-    mapped = do & (sid >= 0) & (sid >= ss.server[g, 1])
+    mapped = do & (sid >= 0) & (sid >= place.owner)
     entry = jnp.stack([j * S + s, sid]).astype(jnp.int32)
+    here = (jnp.arange(ss.per_server.shape[0])[:, None] == j) & (jnp.arange(S)[None, :] == s)
     return dataclasses.replace(
         ss,
         server=ss.server.at[jnp.where(mapped, g, ss.server.shape[0])].set(entry, mode="drop"),
         cache=ss.cache.at[j, jnp.where(put, s, S), e].set(
             jnp.stack([sid, stamp]).astype(jnp.int32), mode="drop"
         ),
-        hits=ss.hits + (count * hit).astype(jnp.int32),
-        per_server=ss.per_server.at[j, s].add(count),
+        hits=ss.hits + (count * place.hit).astype(jnp.int32),
+        per_server=ss.per_server + jnp.where(here, count, 0),
     )
 
 
