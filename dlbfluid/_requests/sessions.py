@@ -250,7 +250,7 @@ def resolve(aff: Affinity, ss: SessState, win, base, got, i, routed, accept, in_
     follows the predecessor's cell, `conditional` follows it where `ss.stay` says so,
     both route the first request of a session as the policy does. A chain of requests of
     one session inside a tick is followed to its end (a fixed point, at most `A` passes;
-    in practice one or two)."""
+    none past the first where no session has two requests in the tick)."""
     A = win.shape[0]
     sid, g, pred, nxt, new = (win[:, c] for c in range(5))
     is_s = accept & (sid >= 0)
@@ -278,8 +278,10 @@ def resolve(aff: Affinity, ss: SessState, win, base, got, i, routed, accept, in_
             nxt_ = decide(cell)
             return nxt_, jnp.any(nxt_ != cell), n + 1
 
+        # (one pass settles every request whose predecessor is not in the tick: the loop
+        # runs only where a session has two requests in the tick)
         cell = jax.lax.while_loop(
-            lambda c: c[1] & (c[2] < A), body, (decide(routed), jnp.ones((), bool), 0)
+            lambda c: c[1] & (c[2] < A), body, (decide(routed), jnp.any(inside), 0)
         )[0]
     prev = previous(cell)
     back = is_s & (prev >= 0) & (True if in_window is None else in_window)
