@@ -314,9 +314,9 @@ def stay_rule(saving, latency_model, workload, tau, allowed):
 
 
 def holds(row, sid):
-    """Whether a server whose cache row is `row` `(C, 2)` holds session `sid`'s prefix
-    (False for -1)."""
-    return jnp.any(row[:, 0] == sid) & (sid >= 0)
+    """Whether servers whose cache rows are `row` `(..., C, 2)` hold session `sid`'s prefix
+    `(...)` (False for -1)."""
+    return jnp.any(row[..., 0] == sid, axis=-1) & (sid >= 0)
 
 
 class Seat(eqx.Module):
@@ -347,7 +347,7 @@ def seat(aff: Affinity, ss: SessState, j, chosen, req, free) -> Seat:
     mine = (sid >= 0) & (owner == sid) & (w >= 0) & (w // S == j)
     last = jnp.where(mine, w % S, 0)
     rows = ss.cache[j, jnp.stack([last, chosen])]  # (2, C, 2)
-    has = jnp.any(rows[:, :, 0] == sid, axis=-1) & (sid >= 0)
+    has = holds(rows, sid)
     back = mine & has[0] & jnp.any((jnp.arange(S) == last) & free)
     return Seat(
         jnp.where(back, last, chosen), back | has[1], jnp.where(back, rows[0], rows[1]), owner
